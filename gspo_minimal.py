@@ -1,0 +1,832 @@
+"""GSPO in one file: Group Sequence Policy Optimization, annotated, on a model that learns on a laptop CPU.
+
+    python gspo_minimal.py                 # the default run (`make train`): ~1M-parameter model, 2-digit addition
+    python gspo_minimal.py --loss grpo     # the same run with GRPO's token-level objective
+    python gspo_minimal.py --help          # every hyperparameter, with its meaning
+
+Papers:
+  GSPO            Zheng et al., "Group Sequence Policy Optimization", arXiv 2507.18071 (v2).
+  Rethinking GSPO Chi Liu, "Rethinking GSPO: The Perplexity-Entropy Equivalence", arXiv 2510.23142.
+
+The one idea. GSPO weights every sampled response y by the length-normalised sequence ratio
+
+    s = (pi_new(y|x) / pi_old(y|x)) ** (1/|y|)                                  (GSPO eq. 7)
+
+Written with the per-token cross-entropy of the sampled response, H(y) = -(1/|y|) sum_t log pi(y_t|x,y_<t),
+and its perplexity PPL = exp(H), the same number is
+
+    s = PPL_old(y) / PPL_new(y) = exp(H_old(y) - H_new(y))
+
+so GSPO scales the policy gradient by how much LESS perplexed the new policy is by the response.
+`importance_ratio`, `perplexity` and `cross_entropy` below compute the three forms; every training step
+computes all three side by side and logs their largest disagreement (round-off only).
+
+Reading order: hyperparameters -> task and reward -> tokenizer -> model -> sampling -> group advantages
+-> token log-probs -> the ratio identities -> the objectives (GSPO, GSPO-token, GRPO) -> warm-up ->
+GSPO training loop -> checkpoints -> main(). The functions from `token_logprobs` to `grpo_loss` need
+only torch and each other: copy them into your own trainer as they are.
+
+Honest list of simplifications (each is named again where it happens):
+  * The model is tiny (4 layers, width 128) and the task is synthetic arithmetic with an exact-match
+    reward, so that a full run fits in four minutes on two CPU cores. `--model` swaps in any Hugging
+    Face causal LM.
+  * A short supervised warm-up comes first: RL learns only from groups that contain some successes,
+    and a random model has none.
+  * No KL penalty and no reference model, as in the GSPO paper's own runs.
+  * One optimiser step per minibatch, 4 minibatches per rollout (the paper's setting), so that
+    all but the first update are off-policy: that is where GSPO and GRPO differ at all.
+  * The advantage's std gets a small eps (1e-6, as verl); the paper leaves the convention open.
+  * Sampling uses a hand-written KV-cached loop, not `model.generate` (measured faster here; see
+    `sample_completions`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import inspect
+import json
+import math
+import os
+import random
+import shutil
+import sys
+import textwrap
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+# ---------------------------------------------------------------------------------------------
+# Hyperparameters. The string under each field is its --help text (read by `field_help`).
+# ---------------------------------------------------------------------------------------------
+@dataclass
+class Config:
+    loss: str = "gspo"
+    """objective: gspo (sequence ratio, eq. 5), gspo-token (eqs. 13-14) or grpo (token ratio, eq. 2)"""
+    task: str = "add2"
+    """problems: add2 (a+b, a,b < 100), add3 (a+b, a,b < 1000) or mul2 (a*b, a,b < 100)"""
+    model: str = ""
+    """Hugging Face causal LM (hub id or local folder) with its tokenizer; empty: the built-in tiny model"""
+    moe: bool = False
+    """use a tiny mixture-of-experts model (transformers' Mixtral classes) instead of the dense one"""
+    device: str = "auto"
+    """auto (CUDA when available, else CPU), cpu or cuda"""
+    seed: int = 0
+    """seed for model initialisation, sampling and the training prompts (the test set is fixed)"""
+    group_size: int = 8
+    """G: completions sampled per prompt; advantages are normalised within each group"""
+    prompts_per_step: int = 32
+    """prompts per rollout; a rollout holds prompts_per_step * group_size completions"""
+    minibatches: int = 4
+    """optimiser steps per rollout; every one after the first is off-policy"""
+    eps_low: float | None = None
+    """lower clip width: clip(s, 1 - eps_low, ...); default 3e-4 for GSPO variants, 0.2 for GRPO"""
+    eps_high: float | None = None
+    """upper clip width: clip(s, ..., 1 + eps_high); default 4e-4 for GSPO variants, 0.27 for GRPO"""
+    lr: float = 1e-4
+    """AdamW learning rate of the RL stage, decayed linearly to 0 over --steps"""
+    steps: int = 400
+    """RL steps (one rollout and its minibatch updates each)"""
+    max_new_tokens: int = 6
+    """longest completion sampled; a completion without EOS by then gets reward 0"""
+    temperature: float = 1.0
+    """sampling temperature; the policy's log-probs use logits / temperature, so s = 1 on-policy"""
+    out: str = "runs/train"
+    """output folder: metrics.jsonl, summary.json and checkpoint/ (Hugging Face format)"""
+    shuffle_rewards: bool = False
+    """control experiment: permute rewards across the rollout, destroying the signal"""
+    warmup_lr: float = 1e-3
+    """AdamW learning rate of the supervised warm-up"""
+    warmup_target: float = 0.3
+    """the warm-up stops once validation accuracy first reaches this"""
+    warmup_max_steps: int = 3000
+    """the warm-up stops after this many steps even below warmup_target"""
+    warmup_batch: int = 256
+    """problems per warm-up step"""
+    eval_every: int = 10
+    """RL steps between validation evaluations (the warm-up checks every 20 steps)"""
+    val_size: int = 300
+    """validation problems: they drive every decision"""
+    test_size: int = 500
+    """test problems: used only for the two accuracies in summary.json"""
+    grad_clip: float = 1.0
+    """clip the gradient norm at this value (0: off)"""
+    threads: int = 0
+    """CPU threads for torch (0: torch's default)"""
+
+
+LOSSES = ("gspo", "gspo-token", "grpo")
+TASKS = ("add2", "add3", "mul2")
+DEFAULT_EPS = {"gspo": (3e-4, 4e-4), "gspo-token": (3e-4, 4e-4), "grpo": (0.2, 0.27)}
+
+
+def field_help(cls=Config) -> dict[str, str]:
+    """Map each dataclass field to the string literal written under it."""
+    body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body
+    return {node.target.id: nxt.value.value
+            for node, nxt in zip(body, body[1:])
+            if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr)}
+
+
+# ---------------------------------------------------------------------------------------------
+# Task and reward: arithmetic problems, split into test / validation / training by their operands.
+# ---------------------------------------------------------------------------------------------
+DATA_SEED = 1234  # fixed: every run, whatever its --seed, is scored on the same test problems
+
+
+def task_spec(task: str) -> tuple[int, str]:
+    """Operand range and operator of a task."""
+    return {"add2": (100, "+"), "add3": (1000, "+"), "mul2": (100, "*")}[task]
+
+
+def make_splits(task: str, test_size: int, val_size: int) -> dict:
+    """The fixed test set first, then validation; training later samples only from the rest.
+
+    A problem is its ordered operand pair (a, b), so 3+4 and 4+3 are different problems.
+    """
+    n, _ = task_spec(task)
+    if test_size + val_size > n * n // 2:
+        raise ValueError(f"{task} has {n * n} problems: too few for {test_size + val_size} held out")
+    rng = random.Random(DATA_SEED)
+    held: dict[tuple[int, int], None] = {}         # a dict keeps the order in which pairs were drawn
+    while len(held) < test_size + val_size:
+        held[(rng.randrange(n), rng.randrange(n))] = None
+    pairs = list(held)
+    return {"test": pairs[:test_size], "val": pairs[test_size:], "held_out": set(pairs)}
+
+
+def sample_train_problems(splits: dict, task: str, k: int, rng: random.Random) -> list[tuple[int, int]]:
+    """k training problems drawn uniformly from those outside the test and validation sets."""
+    n, _ = task_spec(task)
+    out: list[tuple[int, int]] = []
+    while len(out) < k:
+        pair = (rng.randrange(n), rng.randrange(n))
+        if pair not in splits["held_out"]:
+            out.append(pair)
+    return out
+
+
+def prompt_text(task: str, a: int, b: int) -> str:
+    """'07+45=': operands zero-padded, so every prompt of a task has the same length."""
+    n, op = task_spec(task)
+    width = len(str(n - 1))
+    return f"{a:0{width}d}{op}{b:0{width}d}="
+
+
+def answer_text(task: str, a: int, b: int) -> str:
+    return str(a * b if task_spec(task)[1] == "*" else a + b)
+
+
+def reward(completion_ids: list[int], answer: str, tokenizer) -> float:
+    """Exact match that requires EOS: 1.0 when the text before the first EOS is the answer.
+
+    A completion that never stops gets 0, so the policy learns to end its answers.
+    """
+    eos = tokenizer.eos_token_id
+    if eos not in completion_ids:
+        return 0.0
+    text = tokenizer.decode(completion_ids[:completion_ids.index(eos)], skip_special_tokens=True)
+    return float(text.strip() == answer)
+
+
+# ---------------------------------------------------------------------------------------------
+# Tokenizer: one token per character, built with `tokenizers`, saved with every checkpoint.
+# ---------------------------------------------------------------------------------------------
+def build_char_tokenizer():
+    """16 tokens: <pad>, <eos>, <unk>, the digits, '+', '*', '='. pad != eos on purpose: a mask built
+    from `tokens != pad` would otherwise drop the EOS and the model would never learn to stop."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<pad>", "<eos>", "<unk>"]
+    vocab = {tok: i for i, tok in enumerate(specials + list("0123456789+*="))}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")  # every character
+    tok.decoder = decoders.Fuse()                                              # join without spaces
+    tok.add_special_tokens(specials)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>",
+                                   unk_token="<unk>", padding_side="left")
+
+
+# ---------------------------------------------------------------------------------------------
+# Model: a tiny Llama (or Mixtral for --moe) built from a config, no download; or any hub model.
+# ---------------------------------------------------------------------------------------------
+def build_tiny_model(tokenizer, moe: bool = False):
+    """About 0.8M parameters dense (1.3M with 4 experts, 2 active per token)."""
+    from transformers import LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM
+
+    common = dict(vocab_size=len(tokenizer), hidden_size=128, num_hidden_layers=4,
+                  num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64,
+                  pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+                  bos_token_id=None, tie_word_embeddings=True)
+    if moe:  # router aux loss off: the objective stays pure GSPO, as in the comparison we measure
+        cfg = MixtralConfig(intermediate_size=256, num_local_experts=4, num_experts_per_tok=2,
+                            router_aux_loss_coef=0.0, output_router_logits=False, **common)
+        return MixtralForCausalLM(cfg)
+    return LlamaForCausalLM(LlamaConfig(intermediate_size=512, **common))
+
+
+def load_pretrained(name_or_path: str):
+    """Any causal LM with its tokenizer. Left padding, so that every prompt ends at the same column."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(name_or_path)
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token is None:              # the completion mask comes from the first EOS, so
+        tokenizer.pad_token = tokenizer.eos_token  # pad == eos is harmless here (see completion_mask)
+    model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=torch.float32)
+    return model, tokenizer
+
+
+# ---------------------------------------------------------------------------------------------
+# Sampling: G completions per prompt with a KV cache; the completion mask from the first EOS.
+# ---------------------------------------------------------------------------------------------
+def completion_mask(completions: torch.Tensor, eos_id: int) -> torch.Tensor:
+    """True up to and including the first EOS of each row; all True for a row that never stops.
+
+    completions: (B, T) int -> (B, T) bool. Built from EOS positions, never from `!= pad`.
+    """
+    is_eos = completions == eos_id
+    eos_before = (is_eos.cumsum(-1) - is_eos.long()) > 0   # an EOS strictly earlier in the row
+    return ~eos_before
+
+
+@torch.no_grad()
+def sample_completions(model, prompt_ids, prompt_mask, max_new_tokens: int, eos_id: int,
+                       pad_id: int, temperature: float = 1.0) -> torch.Tensor:
+    """Sample one completion per row; temperature 0 is greedy. Returns (B, T) token ids, T <= max_new.
+
+    A hand-written loop over a DynamicCache, not `model.generate`: on this model `generate` spends
+    most of its time in per-step bookkeeping (logits processors, stopping criteria, cache checks);
+    `python experiments.py sampler` measures both side by side and checks they agree when greedy.
+    Rows that have stopped keep receiving `pad_id`, and the loop ends when every row has stopped.
+    """
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    attn = prompt_mask.long()                                  # (B, P), 0 on left padding
+    pos = (attn.cumsum(-1) - 1).clamp(min=0)                   # (B, P), positions skip the padding
+    logits = model(input_ids=prompt_ids, attention_mask=attn, position_ids=pos, cache=cache,
+                   use_cache=True, logits_to_keep=1).logits[:, -1]   # (B, V)
+    done = torch.zeros(len(prompt_ids), dtype=torch.bool, device=prompt_ids.device)
+    out = []
+    for _ in range(max_new_tokens):
+        if temperature > 0:
+            probs = torch.softmax(logits.float() / temperature, dim=-1)
+            nxt = torch.multinomial(probs, 1).squeeze(-1)          # (B,)
+        else:
+            nxt = logits.argmax(-1)
+        nxt = torch.where(done, pad_id, nxt)
+        out.append(nxt)
+        done |= nxt == eos_id
+        if done.all():
+            break
+        attn = torch.cat([attn, torch.ones_like(attn[:, :1])], dim=1)
+        pos = pos[:, -1:] + 1
+        logits = model(input_ids=nxt[:, None], attention_mask=attn, position_ids=pos, cache=cache,
+                       use_cache=True).logits[:, -1]
+    return torch.stack(out, dim=1)                             # (B, T)
+
+
+# ---------------------------------------------------------------------------------------------
+# Group advantages (GSPO eq. 6): each response against the other responses to the same prompt.
+# ---------------------------------------------------------------------------------------------
+# A_i = (r_i - mean(r_1..r_G)) / (std(r_1..r_G) + eps),  std Bessel-corrected (TRL, verl).
+def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-6) -> torch.Tensor:
+    """rewards (B,), laid out group after group -> advantages (B,).
+
+    A group whose rewards are all equal carries no signal and gets exactly 0, detected explicitly:
+    (r - mean) can be a tiny non-zero round-off that the division by (0 + eps) would blow up.
+    """
+    if group_size < 2 or rewards.numel() % group_size:
+        raise ValueError(f"need group_size >= 2 dividing {rewards.numel()} rewards, got {group_size}")
+    r = rewards.reshape(-1, group_size)                        # (B/G, G)
+    centred = r - r.mean(dim=1, keepdim=True)
+    adv = centred / (r.std(dim=1, keepdim=True) + eps)
+    all_equal = (r == r[:, :1]).all(dim=1, keepdim=True)       # (B/G, 1)
+    return torch.where(all_equal, torch.zeros_like(adv), adv).reshape(-1)
+
+
+# ---------------------------------------------------------------------------------------------
+# Token log-probs and the masked mean that every sequence-level quantity is built from.
+# ---------------------------------------------------------------------------------------------
+# log pi(y_t | x, y_<t) = log_softmax(logits_t)[y_t]
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """logits (B, T, V), tokens (B, T) -> (B, T) log-probabilities of the given tokens."""
+    # at least float32: a log-softmax in bf16 would round log-probs to ~0.01 nats, far coarser
+    # than GSPO's clip band of 3e-4 nats per token; float64 inputs stay float64
+    logp = torch.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
+    return logp.gather(-1, tokens.long().unsqueeze(-1)).squeeze(-1)
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """Mean of x over positions where mask is true; an empty row gives 0.
+
+    `torch.where`, never `x * mask`: a NaN or inf at a masked position would survive the
+    multiplication (0 * inf = NaN) and poison both the value and the gradient.
+    """
+    keep = mask != 0                                           # bool, 0/1 int or 0/1 float masks alike
+    total = torch.where(keep, x, torch.zeros((), dtype=x.dtype, device=x.device)).sum(dim)
+    return total / keep.sum(dim).clamp(min=1).to(x.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# The ratio identities. With delta_t = log pi_new(y_t) - log pi_old(y_t):
+#   log s = (1/|y|) sum_t delta_t = H_old(y) - H_new(y)        (a mean of per-token log-ratios)
+#   s = exp(log s) = PPL_old(y) / PPL_new(y) = exp(H_old - H_new)
+# Everything stays in log space: a product of |y| token probabilities underflows for long y.
+# ---------------------------------------------------------------------------------------------
+def sequence_log_ratio(logp_new, logp_old, mask) -> torch.Tensor:
+    """log s_i = (1/|y_i|) sum_t (logp_new - logp_old): (B, T) inputs -> (B,)."""
+    return masked_mean(logp_new - logp_old, mask)
+
+
+# s_i = (pi_new(y_i|x) / pi_old(y_i|x)) ** (1/|y_i|)                                (GSPO eq. 7)
+def importance_ratio(logp_new, logp_old, mask) -> torch.Tensor:
+    """The sequence importance ratio s (B,): the geometric mean of the token ratios."""
+    return torch.exp(sequence_log_ratio(logp_new, logp_old, mask))
+
+
+# H(y) = -(1/|y|) sum_t log pi(y_t | x, y_<t)
+def cross_entropy(logp, mask) -> torch.Tensor:
+    """Per-token cross-entropy of the SAMPLED sequence (B,), in nats.
+
+    Not the Shannon entropy -sum_v p(v) log p(v) of the policy: it scores the one response that
+    was sampled, which is exactly what the importance ratio needs.
+    """
+    return -masked_mean(logp, mask)
+
+
+# PPL(y) = exp(H(y)) = pi(y|x) ** (-1/|y|)
+def perplexity(logp, mask) -> torch.Tensor:
+    """Perplexity of the sampled sequence (B,); +inf once exp(H) leaves the dtype's range."""
+    return torch.exp(cross_entropy(logp, mask))
+
+
+# ---------------------------------------------------------------------------------------------
+# The objectives. Each returns a loss to MINIMISE (the paper's J with its sign flipped).
+# PPO's clipped surrogate min(r A, clip(r, 1-eps_low, 1+eps_high) A) stops the gradient only on the
+# side that would profit from moving further: r > 1+eps_high when A > 0, r < 1-eps_low when A < 0.
+# ---------------------------------------------------------------------------------------------
+def _clipped_surrogate(ratio, adv, eps_low: float, eps_high: float) -> torch.Tensor:
+    """min(r A, clip(r, 1-eps_low, 1+eps_high) A), elementwise; r and A broadcast together."""
+    return torch.minimum(ratio * adv, ratio.clamp(1 - eps_low, 1 + eps_high) * adv)
+
+
+def clipped_on_active_side(ratio, adv, eps_low: float, eps_high: float) -> torch.Tensor:
+    """Where the min picks the clipped term and so the gradient is zero (bool, broadcast shape)."""
+    return ((adv > 0) & (ratio > 1 + eps_high)) | ((adv < 0) & (ratio < 1 - eps_low))
+
+
+# J_GSPO = (1/G) sum_i min(s_i A_i, clip(s_i, 1-eps_low, 1+eps_high) A_i)                (eq. 5)
+def gspo_loss(logp_new, logp_old, advantages, mask, eps_low: float = 3e-4,
+              eps_high: float = 4e-4) -> torch.Tensor:
+    """GSPO: one clipped term per sequence, mean over sequences. (B, T) log-probs, (B,) advantages.
+
+    Its gradient is (eq. 10) s_i A_i (1/|y_i|) sum_t grad log pi(y_it): every token of a response
+    shares one weight. An empty row adds nothing (explicit `where`: the clipped term at s = 1 would
+    add A), but still counts in the 1/B, as the paper's 1/G does.
+    """
+    s = importance_ratio(logp_new, logp_old, mask)                     # (B,)
+    per_seq = _clipped_surrogate(s, advantages, eps_low, eps_high)     # (B,)
+    nonempty = (mask != 0).any(-1)
+    per_seq = torch.where(nonempty, per_seq, torch.zeros_like(per_seq))
+    return -per_seq.sum() / per_seq.numel()
+
+
+def _per_token(advantages: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """Advantages (B,) or (B, T) -> (B, T) (a view, not a copy, for the (B,) case)."""
+    return advantages.unsqueeze(-1).expand_as(like) if advantages.dim() == 1 else advantages
+
+
+# s_it = sg[s_i] * pi(y_it) / sg[pi(y_it)]                                          (eqs. 13-14)
+# J = (1/G) sum_i (1/|y_i|) sum_t min(s_it A_it, clip(s_it, 1-eps_low, 1+eps_high) A_it)
+def gspo_token_loss(logp_new, logp_old, advantages, mask, eps_low: float = 3e-4,
+                    eps_high: float = 4e-4) -> torch.Tensor:
+    """GSPO-token: every s_it has the VALUE s_i (so clipping is decided per sequence) and the
+    GRADIENT s_i * grad log pi(y_it), which lets each token carry its own advantage A_it.
+    With A_it = A_i it equals GSPO in value and gradient (eqs. 15-17)."""
+    keep = mask != 0
+    s = importance_ratio(logp_new, logp_old, mask).detach()            # (B,), sg[s_i]
+    own = torch.where(keep, logp_new - logp_new.detach(), torch.zeros_like(logp_new))  # 0, grad 1
+    s_tok = s.unsqueeze(-1) * torch.exp(own)                           # (B, T), value s_i
+    per_tok = _clipped_surrogate(s_tok, _per_token(advantages, s_tok), eps_low, eps_high)
+    return -masked_mean(per_tok, keep).mean()
+
+
+# w_it = pi_new(y_it) / pi_old(y_it)
+# J_GRPO = (1/G) sum_i (1/|y_i|) sum_t min(w_it A_i, clip(w_it, 1-eps, 1+eps) A_i)      (eq. 2)
+def grpo_loss(logp_new, logp_old, advantages, mask, eps_low: float = 0.2,
+              eps_high: float = 0.27) -> torch.Tensor:
+    """GRPO: every token clipped on its own ratio; per-row token mean, then mean over rows."""
+    keep = mask != 0
+    log_w = torch.where(keep, logp_new - logp_old, torch.zeros_like(logp_new))  # (B, T)
+    per_tok = _clipped_surrogate(torch.exp(log_w), _per_token(advantages, log_w), eps_low, eps_high)
+    return -masked_mean(per_tok, keep).mean()
+
+
+LOSS_FNS = {"gspo": gspo_loss, "gspo-token": gspo_token_loss, "grpo": grpo_loss}
+
+
+# ---------------------------------------------------------------------------------------------
+# Batches: prompts to tensors, and the policy's log-probs of given completions.
+# ---------------------------------------------------------------------------------------------
+def encode_prompts(tokenizer, texts: list[str], device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-padded prompt ids and attention mask, both (B, P)."""
+    enc = tokenizer(texts, padding=True, return_tensors="pt")
+    return enc.input_ids.to(device), enc.attention_mask.to(device)
+
+
+def policy_logprobs(model, prompt_ids, prompt_mask, completions, temperature: float = 1.0):
+    """log pi(y_t | x, y_<t) for every completion position: (B, T), differentiable.
+
+    One forward pass over prompt + completion; logits_to_keep skips the prompt's logits, whose
+    (B, P, V) tensor would dominate memory with a real vocabulary.
+    """
+    ids = torch.cat([prompt_ids, completions], dim=1)                    # (B, P+T)
+    attn = torch.cat([prompt_mask.long(), torch.ones_like(completions)], dim=1)
+    pos = (attn.cumsum(-1) - 1).clamp(min=0)
+    T = completions.shape[1]
+    logits = model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=False,
+                   logits_to_keep=T + 1).logits[:, :-1]                 # (B, T, V): predicts y_1..y_T
+    if temperature > 0:
+        logits = logits / temperature          # the sampler's distribution, so s = 1 on-policy
+    return token_logprobs(logits, completions)
+
+
+@torch.no_grad()
+def accuracy(model, tokenizer, task: str, problems, max_new_tokens: int, device,
+             batch_size: int = 512) -> float:
+    """Greedy exact-match accuracy (EOS required) over a list of (a, b) problems."""
+    hits = 0.0
+    for i in range(0, len(problems), batch_size):
+        chunk = problems[i:i + batch_size]
+        ids, attn = encode_prompts(tokenizer, [prompt_text(task, a, b) for a, b in chunk], device)
+        comp = sample_completions(model, ids, attn, max_new_tokens, tokenizer.eos_token_id,
+                                  tokenizer.pad_token_id, temperature=0.0)
+        hits += sum(reward(row, answer_text(task, a, b), tokenizer)
+                    for row, (a, b) in zip(comp.tolist(), chunk))
+    return hits / len(problems)
+
+
+# ---------------------------------------------------------------------------------------------
+# Supervised warm-up: teach the answer format until some sampled answers are right.
+# ---------------------------------------------------------------------------------------------
+# Why: GSPO's signal is the reward spread INSIDE a group. A random model answers nothing right, every
+# group is all zeros, every advantage is 0 and nothing is learnt. We stop as soon as validation
+# accuracy first reaches `warmup_target` (0.3): enough groups then hold both successes and failures,
+# and everything beyond that is RL's work. (A departure from the paper, which starts from a
+# pretrained model.)
+def supervised_loss(model, tokenizer, task: str, problems, device) -> torch.Tensor:
+    """Mean token negative log-likelihood of 'answer<eos>' after each prompt."""
+    ids, attn = encode_prompts(tokenizer, [prompt_text(task, a, b) for a, b in problems], device)
+    answers = [tokenizer(answer_text(task, a, b), add_special_tokens=False).input_ids
+               + [tokenizer.eos_token_id] for a, b in problems]
+    T = max(map(len, answers))
+    target = torch.tensor([ans + [tokenizer.pad_token_id] * (T - len(ans)) for ans in answers],
+                          device=device)                                 # (B, T)
+    mask = torch.tensor([[t < len(ans) for t in range(T)] for ans in answers], device=device)
+    logp = policy_logprobs(model, ids, attn, target, temperature=0.0)   # (B, T)
+    return -masked_mean(logp.flatten(), mask.flatten())
+
+
+def warmup(model, tokenizer, splits, cfg: Config, device, rng: random.Random, run) -> int:
+    """Train on correct answers until validation accuracy >= cfg.warmup_target. Returns steps taken."""
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.warmup_lr)
+    val_acc = accuracy(model, tokenizer, cfg.task, splits["val"], cfg.max_new_tokens, device)
+    step = 0
+    while val_acc < cfg.warmup_target and step < cfg.warmup_max_steps:
+        step += 1
+        loss = supervised_loss(model, tokenizer, cfg.task,
+                               sample_train_problems(splits, cfg.task, cfg.warmup_batch, rng), device)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        if step % 20 == 0:       # supervised accuracy jumps suddenly: look often, it costs little
+            val_acc = accuracy(model, tokenizer, cfg.task, splits["val"], cfg.max_new_tokens, device)
+            run.log({"stage": "warmup", "step": step, "loss": loss.item(), "val_acc": val_acc},
+                    f"warm-up {step} | loss {loss.item():.3f} | val acc {val_acc:.2f}")
+    return step
+
+
+# ---------------------------------------------------------------------------------------------
+# One GSPO step: a rollout of G completions per prompt, then `minibatches` clipped updates on it.
+# ---------------------------------------------------------------------------------------------
+@torch.no_grad()
+def rollout(model, tokenizer, problems, cfg: Config, device) -> dict:
+    """Sample G completions per prompt, score them, and compute group advantages."""
+    G = cfg.group_size
+    texts = [prompt_text(cfg.task, a, b) for a, b in problems for _ in range(G)]   # group after group
+    prompt_ids, prompt_mask = encode_prompts(tokenizer, texts, device)            # (B, P)
+    completions = sample_completions(model, prompt_ids, prompt_mask, cfg.max_new_tokens,
+                                     tokenizer.eos_token_id, tokenizer.pad_token_id,
+                                     cfg.temperature)                               # (B, T)
+    mask = completion_mask(completions, tokenizer.eos_token_id)                    # (B, T)
+    answers = [answer_text(cfg.task, a, b) for a, b in problems for _ in range(G)]
+    rewards = torch.tensor([reward(row, ans, tokenizer) for row, ans in
+                            zip(completions.tolist(), answers)], device=device)    # (B,)
+    if cfg.shuffle_rewards:           # the control: same reward statistics, no relation to answers
+        rewards = rewards[torch.randperm(len(rewards), device=device)]
+    return {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "completions": completions,
+            "mask": mask, "rewards": rewards, "advantages": group_advantages(rewards, G)}
+
+
+def ratio_metrics(logp_new, logp_old, adv, mask, loss: str, eps_low: float, eps_high: float) -> dict:
+    """The three forms of s side by side, and the clip fraction counted per completion token.
+
+    A token counts as clipped when its objective term sits on the clipped, zero-gradient side of
+    the min. For GSPO a clipped sequence clips all of its tokens (as the GSPO paper counts them),
+    so that `clip_tokens` has one unit for GSPO and GRPO alike; `clip_seqs` is GSPO's own count.
+    """
+    keep = mask != 0
+    s = importance_ratio(logp_new, logp_old, mask)                          # (B,)
+    s_ppl = perplexity(logp_old, mask) / perplexity(logp_new, mask)          # PPL_old / PPL_new
+    s_ent = torch.exp(cross_entropy(logp_old, mask) - cross_entropy(logp_new, mask))
+    gap = torch.maximum((s_ppl / s - 1).abs(), (s_ent / s - 1).abs())
+    seq_clipped = clipped_on_active_side(s, adv, eps_low, eps_high)          # (B,)
+    if loss == "grpo":
+        w = torch.exp(torch.where(keep, logp_new - logp_old, torch.zeros_like(logp_new)))
+        tok_clipped = clipped_on_active_side(w, adv.unsqueeze(-1), eps_low, eps_high) & keep
+    else:
+        tok_clipped = seq_clipped.unsqueeze(-1) & keep
+    return {"s": s, "form_gap": gap.max().item(), "clipped_tokens": tok_clipped.sum().item(),
+            "tokens": keep.sum().item(), "clipped_seqs": seq_clipped.sum().item()}
+
+
+def rl_update(model, opt, batch: dict, cfg: Config, eps_low: float, eps_high: float) -> dict:
+    """Split one rollout into `minibatches` random chunks and take one clipped step on each.
+
+    pi_old is the policy that sampled the rollout. Its log-probs are computed for every chunk
+    BEFORE the first update, with the same forward pass and shapes as the update uses, so that the
+    first chunk sees s = 1 exactly and every later chunk is genuinely off-policy.
+    """
+    loss_fn = LOSS_FNS[cfg.loss]
+    B = len(batch["rewards"])
+    chunks = torch.randperm(B, device=batch["rewards"].device).chunk(cfg.minibatches)
+    fields = ("prompt_ids", "prompt_mask", "completions")
+    with torch.no_grad():
+        old = [policy_logprobs(model, *(batch[f][idx] for f in fields), cfg.temperature)
+               for idx in chunks]
+    seen = {"s": [], "form_gap": 0.0, "clipped_tokens": 0, "tokens": 0, "clipped_seqs": 0, "loss": 0.0}
+    for idx, logp_old in zip(chunks, old):
+        logp_new = policy_logprobs(model, *(batch[f][idx] for f in fields), cfg.temperature)
+        adv, mask = batch["advantages"][idx], batch["mask"][idx]
+        loss = loss_fn(logp_new, logp_old, adv, mask, eps_low, eps_high)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        if cfg.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        opt.step()
+        m = ratio_metrics(logp_new.detach(), logp_old, adv, mask, cfg.loss, eps_low, eps_high)
+        seen["s"].append(m.pop("s"))
+        seen["form_gap"] = max(seen["form_gap"], m.pop("form_gap"))
+        for k, v in m.items():
+            seen[k] += v
+        seen["loss"] += loss.item() / cfg.minibatches
+    s = torch.cat(seen["s"])
+    return {"loss": seen["loss"], "s_mean": s.mean().item(), "s_min": s.min().item(),
+            "s_max": s.max().item(), "clip_tokens": seen["clipped_tokens"] / max(seen["tokens"], 1),
+            "clip_seqs": seen["clipped_seqs"] / B, "form_gap": seen["form_gap"]}
+
+
+# ---------------------------------------------------------------------------------------------
+# The run folder: metrics.jsonl, atomic checkpoints, summary.json.
+# ---------------------------------------------------------------------------------------------
+MARKER = ".gspo_minimal_run"   # says "this script wrote this folder", so it may be replaced
+
+
+def foreign_files(folder: str) -> bool:
+    """True when `folder` exists, holds something and was not written by this script."""
+    return os.path.isdir(folder) and bool(os.listdir(folder)) and not os.path.exists(
+        os.path.join(folder, MARKER))
+
+
+def _swap_in(new: str, final: str) -> None:
+    """Replace `final` by the complete folder `new`; `final` never holds a partial state."""
+    old = final + ".old"
+    shutil.rmtree(old, ignore_errors=True)
+    if os.path.exists(final):
+        os.rename(final, old)
+    os.rename(new, final)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+class Run:
+    """Writes into `<out>.incomplete` until the first checkpoint is complete, then swaps it in for
+    `<out>`: an earlier run in `out` survives a new run that dies before its first checkpoint."""
+
+    def __init__(self, out: str):
+        self.out, self.dir = out, out + ".incomplete"
+        shutil.rmtree(self.dir, ignore_errors=True)
+        os.makedirs(self.dir)
+        open(os.path.join(self.dir, MARKER), "w").close()
+        self.promoted = False
+
+    def log(self, record: dict, line: str | None = None) -> None:
+        with open(os.path.join(self.dir, "metrics.jsonl"), "a") as f:
+            f.write(json.dumps(record) + "\n")
+        if line:
+            print(line, flush=True)
+
+    def checkpoint(self, model, tokenizer) -> None:
+        tmp = os.path.join(self.dir, "checkpoint.tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        _swap_in(tmp, os.path.join(self.dir, "checkpoint"))
+        if not self.promoted:
+            _swap_in(self.dir, self.out)
+            self.dir, self.promoted = self.out, True
+
+    def write_summary(self, summary: dict) -> None:
+        tmp = os.path.join(self.dir, "summary.json.tmp")
+        with open(tmp, "w") as f:
+            json.dump(summary, f, indent=2)
+        os.replace(tmp, os.path.join(self.dir, "summary.json"))
+
+
+# ---------------------------------------------------------------------------------------------
+# The training loop.
+# ---------------------------------------------------------------------------------------------
+def progress_line(step: int, cfg: Config, m: dict) -> str:
+    acc = f" | val acc {m['val_acc']:.2f}" if "val_acc" in m else ""
+    return (f"step {step}/{cfg.steps} | reward {m['reward']:.2f}{acc} | "
+            f"s {m['s_mean']:.4f} [{m['s_min']:.4f}, {m['s_max']:.4f}] | "
+            f"clip {m['clip_tokens']:.3f} | flat groups {m['zero_spread']:.2f} | "
+            f"len {m['resp_len']:.1f} | {m['tok_per_s'] / 1e3:.1f}k tok/s")
+
+
+def train(cfg: Config, model, tokenizer, device, run: Run, t_start: float) -> dict:
+    """Warm-up, then GSPO. Returns summary.json's contents; Ctrl-C ends it cleanly."""
+    eps_low, eps_high = resolved_eps(cfg)
+    splits = make_splits(cfg.task, cfg.test_size, cfg.val_size)
+    rng = random.Random(cfg.seed)
+    summary = {"seed": cfg.seed, "loss": cfg.loss, "eps_low": eps_low, "eps_high": eps_high,
+               "accuracy_before_rl": None, "interrupted": False, "rl_steps": 0,
+               "config": dataclasses.asdict(cfg)}
+    rl_tokens, rl_seconds = 0, 0.0
+    try:
+        summary["warmup_steps"] = warmup(model, tokenizer, splits, cfg, device, rng, run)
+        summary["accuracy_before_rl"] = accuracy(model, tokenizer, cfg.task, splits["test"],
+                                                 cfg.max_new_tokens, device)
+        run.checkpoint(model, tokenizer)
+        print(f"warm-up done after {summary['warmup_steps']} steps | "
+              f"test acc {summary['accuracy_before_rl']:.3f}", flush=True)
+        opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
+        # linear decay to 0 over the RL steps (TRL's default schedule as well)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 1 - i / cfg.steps)
+        for step in range(1, cfg.steps + 1):
+            t0 = time.perf_counter()
+            batch = rollout(model, tokenizer,
+                            sample_train_problems(splits, cfg.task, cfg.prompts_per_step, rng),
+                            cfg, device)
+            m = rl_update(model, opt, batch, cfg, eps_low, eps_high)
+            sched.step()
+            n_tok = int(batch["mask"].sum())
+            m.update(reward=batch["rewards"].mean().item(),
+                     zero_spread=(batch["advantages"].reshape(-1, cfg.group_size) == 0).all(1)
+                     .float().mean().item(),
+                     resp_len=n_tok / len(batch["rewards"]))
+            if step % cfg.eval_every == 0 or step == cfg.steps:
+                m["val_acc"] = accuracy(model, tokenizer, cfg.task, splits["val"],
+                                        cfg.max_new_tokens, device)
+                run.checkpoint(model, tokenizer)
+            dt = time.perf_counter() - t0
+            rl_tokens, rl_seconds = rl_tokens + n_tok, rl_seconds + dt
+            m.update(tok_per_s=n_tok / dt, step_seconds=dt, elapsed=time.perf_counter() - t_start)
+            summary["rl_steps"] = step
+            run.log({"stage": "rl", "step": step, **m}, progress_line(step, cfg, m))
+    except KeyboardInterrupt:
+        summary["interrupted"] = True
+        print("\ninterrupted: writing a final checkpoint and summary.json", file=sys.stderr)
+    run.checkpoint(model, tokenizer)
+    summary["accuracy_after_rl"] = accuracy(model, tokenizer, cfg.task, splits["test"],
+                                            cfg.max_new_tokens, device)
+    summary["rl_tokens_per_second"] = rl_tokens / rl_seconds if rl_seconds else 0.0
+    summary["wall_seconds"] = time.perf_counter() - t_start
+    run.write_summary(summary)
+    return summary
+
+
+# ---------------------------------------------------------------------------------------------
+# Command line: every bad input gets one line on stderr and exit code 2, before any heavy work.
+# ---------------------------------------------------------------------------------------------
+class BadInput(Exception):
+    pass
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):              # argparse would print its usage too: one line is enough
+        raise BadInput(message)
+
+
+def resolved_eps(cfg: Config) -> tuple[float, float]:
+    """The clip widths, defaulting to the loss's own (GSPO 3e-4/4e-4, GRPO 0.2/0.27)."""
+    low, high = DEFAULT_EPS[cfg.loss]
+    return (low if cfg.eps_low is None else cfg.eps_low,
+            high if cfg.eps_high is None else cfg.eps_high)
+
+
+def parse_config(argv: list[str] | None = None) -> Config:
+    helps = field_help()
+    parser = _Parser(description="GSPO on a tiny model: " + __doc__.splitlines()[0],
+                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    for f in dataclasses.fields(Config):
+        flag = "--" + f.name.replace("_", "-")
+        if f.type == "bool":
+            parser.add_argument(flag, action="store_true", help=helps[f.name])
+        else:
+            kind = {"int": int, "float": float, "str": str, "float | None": float}[f.type]
+            parser.add_argument(flag, type=kind, default=f.default, help=helps[f.name])
+    cfg = Config(**vars(parser.parse_args(argv)))
+    validate(cfg)
+    return cfg
+
+
+def validate(cfg: Config) -> None:
+    """Raise BadInput for anything the run would choke on later."""
+    if cfg.loss not in LOSSES:
+        raise BadInput(f"unknown --loss {cfg.loss!r}; choose one of {', '.join(LOSSES)}")
+    if cfg.task not in TASKS:
+        raise BadInput(f"unknown --task {cfg.task!r}; choose one of {', '.join(TASKS)}")
+    if cfg.device not in ("auto", "cpu", "cuda"):
+        raise BadInput(f"unknown --device {cfg.device!r}; choose auto, cpu or cuda")
+    if cfg.group_size < 2:
+        raise BadInput(f"--group-size must be at least 2 (advantages compare responses), got {cfg.group_size}")
+    for name, eps in zip(("--eps-low", "--eps-high"), resolved_eps(cfg)):
+        if not 0 < eps < 1:
+            raise BadInput(f"{name} must lie in (0, 1), got {eps}")
+    for name in ("steps", "max_new_tokens", "prompts_per_step", "minibatches", "warmup_batch",
+                 "eval_every", "val_size", "test_size"):
+        if getattr(cfg, name) <= 0:
+            raise BadInput(f"--{name.replace('_', '-')} must be positive, got {getattr(cfg, name)}")
+    for name in ("lr", "warmup_lr"):
+        if not getattr(cfg, name) > 0:
+            raise BadInput(f"--{name.replace('_', '-')} must be positive, got {getattr(cfg, name)}")
+    if cfg.temperature < 0 or cfg.warmup_max_steps < 0 or cfg.threads < 0:
+        raise BadInput("--temperature, --warmup-max-steps and --threads cannot be negative")
+    if cfg.minibatches > cfg.prompts_per_step * cfg.group_size:
+        raise BadInput("--minibatches cannot exceed the rollout size (prompts-per-step x group-size)")
+    if cfg.device == "cuda" and not torch.cuda.is_available():
+        raise BadInput("--device cuda, but torch sees no CUDA device")
+    if foreign_files(cfg.out):
+        raise BadInput(f"--out {cfg.out} holds files this script did not write; choose another folder")
+    if cfg.model and not os.path.isdir(cfg.model):
+        if cfg.model.startswith((".", "/", "~")) or os.sep in cfg.model.rstrip("/").split("/", 1)[-1]:
+            raise BadInput(f"--model {cfg.model}: no such folder")
+        try:                                  # a hub id: one cheap config fetch tells if it resolves
+            from transformers import AutoConfig
+            AutoConfig.from_pretrained(cfg.model)
+        except Exception as err:              # offline, unknown id, no access: one line, no traceback
+            raise BadInput(f"--model {cfg.model}: cannot load ({type(err).__name__}); "
+                           "pass a local folder or check the name and your connection") from None
+
+
+def pick_device(cfg: Config) -> torch.device:
+    if cfg.device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(cfg.device)
+
+
+def build(cfg: Config, device):
+    """Model and tokenizer: a hub/local model, or the tiny built-in one (seeded)."""
+    if cfg.model:
+        model, tokenizer = load_pretrained(cfg.model)
+    else:
+        tokenizer = build_char_tokenizer()
+        model = build_tiny_model(tokenizer, moe=cfg.moe)
+    return model.to(device), tokenizer
+
+
+def main(argv: list[str] | None = None) -> int:
+    t_start = time.perf_counter()
+    try:
+        cfg = parse_config(argv)
+    except BadInput as err:
+        print(f"gspo_minimal.py: error: {err}", file=sys.stderr)
+        return 2
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    from transformers.utils import logging as hf_logging
+    hf_logging.disable_progress_bar()       # no "Writing model shards" bar at every checkpoint
+    torch.manual_seed(cfg.seed)
+    device = pick_device(cfg)
+    model, tokenizer = build(cfg, device)
+    n_params = sum(p.numel() for p in model.parameters())
+    print(f"{cfg.loss} | {type(model).__name__} {n_params / 1e6:.2f}M params | {cfg.task} | "
+          f"device {device} | seed {cfg.seed} | out {cfg.out}", flush=True)
+    run = Run(cfg.out)
+    summary = train(cfg, model, tokenizer, device, run, t_start)
+    before = summary["accuracy_before_rl"]
+    print(f"test accuracy: {'n/a' if before is None else f'{before:.3f}'} after warm-up -> "
+          f"{summary['accuracy_after_rl']:.3f} after RL | {summary['wall_seconds']:.0f} s | "
+          f"{run.dir}/summary.json", flush=True)
+    return 130 if summary["interrupted"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

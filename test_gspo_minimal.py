@@ -1,0 +1,258 @@
+"""Behaviour tests of gspo_minimal.py: a tiny end-to-end run, its checkpoint, bad input, Ctrl-C.
+
+The trained run is shared (one session fixture) and called in-process, so the file runs in seconds.
+"""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import gspo_minimal as g
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+# Small enough to run in seconds, large enough to exercise every stage (warm-up, RL, evaluation).
+TINY = ["--steps", "4", "--warmup-max-steps", "20", "--val-size", "40", "--test-size", "40",
+        "--prompts-per-step", "4", "--group-size", "4", "--minibatches", "2", "--eval-every", "2"]
+
+
+def run_main(argv, capsys=None):
+    code = g.main(argv)
+    return code, (capsys.readouterr() if capsys else None)
+
+
+@pytest.fixture(scope="session")
+def tiny_run(tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("runs") / "tiny")
+    assert g.main(TINY + ["--out", out, "--seed", "0"]) == 0
+    with open(os.path.join(out, "summary.json")) as f:
+        return out, json.load(f)
+
+
+# --- the run and what it writes -------------------------------------------------------------
+def test_tiny_run_writes_summary_with_the_spec_keys(tiny_run):
+    _, summary = tiny_run
+    for key in ("accuracy_before_rl", "accuracy_after_rl", "wall_seconds", "rl_tokens_per_second",
+                "seed", "loss", "interrupted"):
+        assert key in summary, key
+    assert summary["loss"] == "gspo" and summary["seed"] == 0 and summary["interrupted"] is False
+    assert 0 <= summary["accuracy_after_rl"] <= 1 and summary["rl_tokens_per_second"] > 0
+    assert summary["rl_steps"] == 4
+
+
+def test_metrics_has_one_object_per_rl_step_with_every_logged_field(tiny_run):
+    out, _ = tiny_run
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        records = [json.loads(line) for line in f]
+    rl = [r for r in records if r["stage"] == "rl"]
+    assert [r["step"] for r in rl] == [1, 2, 3, 4]
+    fields = {"reward", "zero_spread", "s_mean", "s_min", "s_max", "clip_tokens", "clip_seqs",
+              "form_gap", "resp_len", "tok_per_s", "loss"}
+    for r in rl:
+        assert fields <= set(r), fields - set(r)
+        assert r["s_min"] <= r["s_mean"] <= r["s_max"]
+        assert r["form_gap"] < 1e-4          # the three forms of s agree to float32 round-off
+    assert [r["step"] for r in rl if "val_acc" in r] == [2, 4]
+
+
+def test_checkpoint_reloads_with_auto_classes_and_scores_the_same(tiny_run):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    out, summary = tiny_run
+    model = AutoModelForCausalLM.from_pretrained(os.path.join(out, "checkpoint"))
+    tok = AutoTokenizer.from_pretrained(os.path.join(out, "checkpoint"))
+    tok.padding_side = "left"
+    assert tok("07+45=").input_ids == g.build_char_tokenizer()("07+45=").input_ids
+    test = g.make_splits("add2", 40, 40)["test"]
+    assert g.accuracy(model, tok, "add2", test, 6, "cpu") == summary["accuracy_after_rl"]
+
+
+def test_model_flag_trains_a_local_save_pretrained_folder(tiny_run, tmp_path, capsys):
+    out, _ = tiny_run
+    code, cap = run_main(TINY + ["--steps", "2", "--model", os.path.join(out, "checkpoint"),
+                                 "--out", str(tmp_path / "ft")], capsys)
+    assert code == 0, cap.err
+    assert "LlamaForCausalLM" in cap.out
+    with open(tmp_path / "ft" / "summary.json") as f:
+        assert json.load(f)["rl_steps"] == 2
+
+
+@pytest.mark.parametrize("loss", ["gspo-token", "grpo"])
+def test_every_loss_trains_and_uses_its_own_clip_defaults(loss, tmp_path):
+    assert g.main(TINY + ["--steps", "2", "--loss", loss, "--out", str(tmp_path / loss)]) == 0
+    with open(tmp_path / loss / "summary.json") as f:
+        summary = json.load(f)
+    assert summary["loss"] == loss
+    assert (summary["eps_low"], summary["eps_high"]) == g.DEFAULT_EPS[loss]
+
+
+def test_moe_model_trains_a_few_steps(tmp_path, capsys):
+    code, cap = run_main(TINY + ["--steps", "2", "--moe", "--out", str(tmp_path / "moe")], capsys)
+    assert code == 0, cap.err
+    with open(tmp_path / "moe" / "checkpoint" / "config.json") as f:
+        cfg = json.load(f)
+    assert cfg["model_type"] == "mixtral" and cfg["num_local_experts"] > 1
+
+
+def test_rerun_replaces_an_earlier_run_only_after_its_first_checkpoint(tmp_path):
+    out = str(tmp_path / "r")
+    first = g.Run(out)
+    first.log({"run": 1})
+    assert not os.path.exists(out)                        # nothing visible before a checkpoint
+    tok = g.build_char_tokenizer()
+    model = g.build_tiny_model(tok)
+    first.checkpoint(model, tok)
+    second = g.Run(out)                                    # a new run starts in the same --out
+    second.log({"run": 2})
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        assert json.loads(f.read()) == {"run": 1}         # the earlier run is still intact
+    second.checkpoint(model, tok)
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        assert json.loads(f.read()) == {"run": 2}
+    assert not os.path.exists(out + ".incomplete") and not os.path.exists(out + ".old")
+
+
+# --- bad input: one line on stderr, exit code 2, before any heavy work -------------------------
+BAD = {
+    "group size 1": ["--group-size", "1"],
+    "eps_low 0": ["--eps-low", "0"],
+    "eps_high 1": ["--eps-high", "1"],
+    "eps_low negative": ["--eps-low", "-0.1"],
+    "zero steps": ["--steps", "0"],
+    "zero tokens": ["--max-new-tokens", "0"],
+    "zero lr": ["--lr", "0"],
+    "negative lr": ["--lr", "-1e-4"],
+    "unknown loss": ["--loss", "ppo"],
+    "not a number": ["--steps", "many"],
+    "unknown flag": ["--learning-rate", "1"],
+    "missing local model": ["--model", "./no/such/model"],
+    "offline hub id": ["--model", "no-such-org/no-such-model"],
+}
+
+
+@pytest.mark.parametrize("argv", BAD.values(), ids=BAD.keys())
+def test_bad_input_gets_one_line_and_exit_2(argv, tmp_path, capsys):
+    out = tmp_path / "never"
+    t0 = time.perf_counter()
+    code, cap = run_main(argv + ["--out", str(out)], capsys)
+    assert code == 2
+    lines = cap.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("gspo_minimal.py: error:"), cap.err
+    assert "Traceback" not in cap.err and cap.out == ""
+    assert not out.exists() and time.perf_counter() - t0 < 5
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+def test_device_cuda_without_cuda_is_bad_input(tmp_path, capsys):
+    code, cap = run_main(["--device", "cuda", "--out", str(tmp_path / "x")], capsys)
+    assert code == 2 and "CUDA" in cap.err and len(cap.err.strip().splitlines()) == 1
+
+
+def test_out_folder_with_foreign_files_is_refused_and_left_alone(tmp_path, capsys):
+    (tmp_path / "notes.txt").write_text("mine")
+    code, cap = run_main(["--out", str(tmp_path)], capsys)
+    assert code == 2 and "did not write" in cap.err
+    assert os.listdir(tmp_path) == ["notes.txt"]
+
+
+def test_help_text_is_the_dataclass_field_docstrings(capsys):
+    with pytest.raises(SystemExit):
+        g.parse_config(["--help"])
+    out = capsys.readouterr().out
+    for name, text in g.field_help().items():
+        assert f"--{name.replace('_', '-')}" in out
+        assert text.split()[0] in out
+
+
+# --- Ctrl-C: a final checkpoint, summary.json with interrupted: true, exit 130 ------------------
+def test_ctrl_c_leaves_a_loadable_checkpoint_and_exits_130(tmp_path):
+    out = tmp_path / "int"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen([sys.executable, os.path.join(HERE, "gspo_minimal.py"), *TINY,
+                             "--steps", "100000", "--out", str(out), "--threads", "1"],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 60
+    while time.time() < deadline and not (out / "metrics.jsonl").exists():
+        time.sleep(0.2)                  # metrics.jsonl appears in --out after the first checkpoint
+    time.sleep(1.0)                      # now well inside the RL loop
+    proc.send_signal(signal.SIGINT)
+    stdout, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 130, stderr
+    assert "Traceback" not in stderr
+    with open(out / "summary.json") as f:
+        summary = json.load(f)
+    assert summary["interrupted"] is True and 0 < summary["rl_steps"] < 100000
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    AutoModelForCausalLM.from_pretrained(out / "checkpoint")
+    AutoTokenizer.from_pretrained(out / "checkpoint")
+
+
+# --- pieces of the script ------------------------------------------------------------------------
+def test_import_is_silent_and_has_no_side_effects():
+    code = ("import torch; s = torch.random.get_rng_state().clone(); import gspo_minimal; "
+            "assert torch.equal(s, torch.random.get_rng_state())")
+    res = subprocess.run([sys.executable, "-c", code], cwd=HERE, capture_output=True, text=True,
+                         env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert res.returncode == 0 and res.stdout == "" and res.stderr == "", res.stderr
+
+
+def test_completion_mask_keeps_the_first_eos_and_nothing_after():
+    eos, pad = 1, 0
+    comps = torch.tensor([[5, 6, eos, pad, pad],
+                          [eos, pad, pad, pad, pad],
+                          [5, 6, 7, 8, 9],           # never stops: every token counts
+                          [5, eos, 6, eos, 7]])      # pad == eos cases: only the first EOS counts
+    expect = torch.tensor([[1, 1, 1, 0, 0], [1, 0, 0, 0, 0], [1, 1, 1, 1, 1], [1, 1, 0, 0, 0]])
+    assert torch.equal(g.completion_mask(comps, eos), expect.bool())
+    same_pad = torch.tensor([[5, eos, eos, eos]])   # a tokenizer whose pad IS its eos
+    assert g.completion_mask(same_pad, eos).tolist() == [[True, True, False, False]]
+
+
+def test_reward_requires_eos_and_an_exact_answer():
+    tok = g.build_char_tokenizer()
+    ids = lambda s: tok(s, add_special_tokens=False).input_ids
+    eos = tok.eos_token_id
+    assert g.reward(ids("52") + [eos], "52", tok) == 1.0
+    assert g.reward(ids("52"), "52", tok) == 0.0                # no EOS: never rewarded
+    assert g.reward(ids("521") + [eos], "52", tok) == 0.0
+    assert g.reward(ids("52") + [eos] + ids("9"), "52", tok) == 1.0   # after EOS is ignored
+
+
+@pytest.mark.parametrize("task", g.TASKS)
+def test_splits_are_disjoint_fixed_and_training_never_sees_held_out(task):
+    a, b = g.make_splits(task, 500, 300), g.make_splits(task, 500, 300)
+    assert a["test"] == b["test"] and a["val"] == b["val"]        # the same for every run
+    assert len(set(a["test"])) == 500 and len(set(a["val"])) == 300
+    assert not set(a["test"]) & set(a["val"])
+    import random
+    train = g.sample_train_problems(a, task, 5000, random.Random(0))
+    assert not set(train) & a["held_out"]
+
+
+def test_hand_written_sampler_matches_generate_when_greedy():
+    torch.manual_seed(0)
+    tok = g.build_char_tokenizer()
+    model = g.build_tiny_model(tok).eval()
+    ids, attn = g.encode_prompts(tok, ["07+45=", "99+99=", "00+01="], "cpu")
+    ours = g.sample_completions(model, ids, attn, 6, tok.eos_token_id, tok.pad_token_id, 0.0)
+    ref = model.generate(input_ids=ids, attention_mask=attn, max_new_tokens=6, do_sample=False,
+                         eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)[:, ids.shape[1]:]
+    ref = ref[:, :ours.shape[1]]
+    assert torch.equal(ours, ref)
+
+
+def test_policy_logprobs_on_policy_give_ratio_one_in_the_first_minibatch():
+    torch.manual_seed(0)
+    tok = g.build_char_tokenizer()
+    model = g.build_tiny_model(tok)
+    cfg = g.Config(prompts_per_step=4, group_size=4, minibatches=2)
+    import random
+    splits = g.make_splits("add2", 40, 40)
+    batch = g.rollout(model, tok, g.sample_train_problems(splits, "add2", 4, random.Random(0)),
+                      cfg, "cpu")
+    a = g.policy_logprobs(model, batch["prompt_ids"], batch["prompt_mask"], batch["completions"])
+    b = g.policy_logprobs(model, batch["prompt_ids"], batch["prompt_mask"], batch["completions"])
+    assert torch.equal(g.importance_ratio(a, b, batch["mask"]), torch.ones(16))
