@@ -453,7 +453,7 @@ def test_gspo_gradient_is_eq10_for_unclipped_and_exactly_zero_for_clipped_sequen
     s = g.importance_ratio(b.logp("new"), b.logp("old"), b.mask)
     assume(((s - (1 + EPS_HIGH)).abs() > 1e-9).all() and ((s - (1 - EPS_LOW)).abs() > 1e-9).all())
     _, grad = grad_of(g.gspo_loss, b)
-    clipped = g.clipped_on_active_side(s, b.adv, EPS_LOW, EPS_HIGH)
+    clipped = ((b.adv > 0) & (s > 1 + EPS_HIGH)) | ((b.adv < 0) & (s < 1 - EPS_LOW))
     n = b.mask.sum(-1).clamp(min=1)
     # eq. (10): d/dtheta of -(1/B) sum_i s_i A_i  ->  -(1/B) s_i A_i (1/|y_i|) sum_t grad log pi
     weight = torch.where(clipped, 0.0, -s * b.adv / (n * b.B))                # (B,)
@@ -568,13 +568,13 @@ def grouped(groups):
 
 
 @given(rewards_st)
-@example([[0.1] * 7, [1.0, 0.0]])
+@example([[0.1] * 3, [1.0, 0.0, 1.0]])   # mean(0.1, 0.1, 0.1) != 0.1 in float64: round-off, not signal
 def test_group_advantages_are_centred_unit_std_and_exactly_zero_for_flat_groups(groups):
     r, G = grouped(groups)
     A = g.group_advantages(r.flatten(), G).reshape(r.shape)
     for i in range(len(r)):
         std = r[i].std().item()
-        if len(set(r[i].tolist())) == 1:
+        if len(set(r[i].tolist())) == 1:    # detected, not left to (r - mean) / (0 + eps)
             assert (A[i] == 0).all(), "a flat group must give exactly 0"
             continue
         assert abs(A[i].mean().item()) < 1e-12
