@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 SEED   ?= 0
 export HF_HUB_OFFLINE ?= 1
 
-.PHONY: train test test-thorough clean
+.PHONY: train test test-thorough verify figures clean
 
 $(STAMP): requirements.txt
 	$(PYTHON) -m venv $(VENV)
@@ -21,6 +21,12 @@ test: $(STAMP)  ## the whole suite, derandomized hypothesis profile `ci`
 
 test-thorough: $(STAMP)  ## the same suite with many more hypothesis examples
 	HYPOTHESIS_PROFILE=thorough $(PY) -m pytest -q
+
+verify: $(STAMP)  ## the papers' predictions measured on runs/train (trains first if missing)
+	$(PY) experiments.py verify
+
+figures: $(STAMP)  ## the runs the plots need, then the PNGs in figures/ (about 30 min on 2 cores)
+	$(PY) experiments.py figures
 
 clean:  ## removes runs/ and .venv, never figures/
 	rm -rf runs $(VENV)
