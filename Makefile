@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 SEED   ?= 0
 export HF_HUB_OFFLINE ?= 1
 
-.PHONY: train test test-thorough verify figures clean
+.PHONY: train test test-thorough verify figures test-trl clean
 
 $(STAMP): requirements.txt
 	$(PYTHON) -m venv $(VENV)
@@ -21,6 +21,13 @@ test: $(STAMP)  ## the whole suite, derandomized hypothesis profile `ci`
 
 test-thorough: $(STAMP)  ## the same suite with many more hypothesis examples
 	HYPOTHESIS_PROFILE=thorough $(PY) -m pytest -q
+
+$(VENV)/.installed-trl: $(STAMP) requirements-trl.txt
+	$(PY) -m pip install --quiet -r requirements-trl.txt
+	touch $@
+
+test-trl: $(VENV)/.installed-trl  ## installs the TRL extra, then checks our losses equal TRL's
+	$(PY) -m pytest -q -p no:warnings test_trl.py
 
 verify: $(STAMP)  ## the papers' predictions measured on runs/train (trains first if missing)
 	$(PY) experiments.py verify
