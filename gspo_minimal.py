@@ -51,6 +51,7 @@ import math
 import os
 import random
 import shutil
+import signal
 import sys
 import textwrap
 import time
@@ -498,12 +499,12 @@ def supervised_loss(model, tokenizer, task: str, problems, device) -> torch.Tens
     return -masked_mean(logp.flatten(), mask.flatten())
 
 
-def warmup(model, tokenizer, splits, cfg: Config, device, rng: random.Random, run) -> int:
+def warmup(model, tokenizer, splits, cfg: Config, device, rng: random.Random, run, stop) -> int:
     """Train on correct answers until validation accuracy >= cfg.warmup_target. Returns steps taken."""
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.warmup_lr)
     val_acc = accuracy(model, tokenizer, cfg.task, splits["val"], cfg.max_new_tokens, device)
     step = 0
-    while val_acc < cfg.warmup_target and step < cfg.warmup_max_steps:
+    while val_acc < cfg.warmup_target and step < cfg.warmup_max_steps and not stop.requested:
         step += 1
         loss = supervised_loss(model, tokenizer, cfg.task,
                                sample_train_problems(splits, cfg.task, cfg.warmup_batch, rng), device)
@@ -658,6 +659,33 @@ class Run:
 # ---------------------------------------------------------------------------------------------
 # The training loop.
 # ---------------------------------------------------------------------------------------------
+class GracefulStop:
+    """The first Ctrl-C asks the run to stop after the current step; a second one stops at once.
+
+    Stopping between steps, rather than wherever KeyboardInterrupt happens to land, never cuts a
+    checkpoint write or a library's worker threads in half.
+    """
+
+    def __enter__(self):
+        self.requested, self.previous = False, None
+        try:
+            self.previous = signal.signal(signal.SIGINT, self._handle)
+        except ValueError:          # not the main thread: Ctrl-C keeps its default behaviour
+            pass
+        return self
+
+    def _handle(self, signum, frame):
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+        print("\nCtrl-C: stopping after this step (press again to stop at once)", file=sys.stderr,
+              flush=True)
+
+    def __exit__(self, *exc):
+        if self.previous is not None:
+            signal.signal(signal.SIGINT, self.previous)
+
+
 def progress_line(step: int, cfg: Config, m: dict) -> str:
     acc = f" | val acc {m['val_acc']:.2f}" if "val_acc" in m else ""
     return (f"step {step}/{cfg.steps} | reward {m['reward']:.2f}{acc} | "
@@ -668,54 +696,65 @@ def progress_line(step: int, cfg: Config, m: dict) -> str:
 
 def train(cfg: Config, model, tokenizer, device, run: Run, t_start: float) -> dict:
     """Warm-up, then GSPO. Returns summary.json's contents; Ctrl-C ends it cleanly."""
-    eps_low, eps_high = resolved_eps(cfg)
     splits = make_splits(cfg.task, cfg.test_size, cfg.val_size)
-    rng = random.Random(cfg.seed)
+    eps_low, eps_high = resolved_eps(cfg)
     summary = {"seed": cfg.seed, "loss": cfg.loss, "eps_low": eps_low, "eps_high": eps_high,
-               "accuracy_before_rl": None, "interrupted": False, "rl_steps": 0,
-               "config": dataclasses.asdict(cfg)}
-    rl_tokens, rl_seconds = 0, 0.0
-    try:
-        summary["warmup_steps"] = warmup(model, tokenizer, splits, cfg, device, rng, run)
-        summary["accuracy_before_rl"] = accuracy(model, tokenizer, cfg.task, splits["test"],
-                                                 cfg.max_new_tokens, device)
+               "accuracy_before_rl": None, "interrupted": False, "rl_steps": 0, "rl_tokens": 0,
+               "rl_seconds": 0.0, "config": dataclasses.asdict(cfg)}
+    with GracefulStop() as stop:
+        try:
+            run_stages(cfg, model, tokenizer, device, run, splits, summary, stop)
+        except KeyboardInterrupt:                     # the second Ctrl-C: stop where we are
+            pass
+        summary["interrupted"] = stop.requested
+        if stop.requested:
+            print("interrupted: writing a final checkpoint and summary.json", file=sys.stderr)
         run.checkpoint(model, tokenizer)
-        print(f"warm-up done after {summary['warmup_steps']} steps | "
-              f"test acc {summary['accuracy_before_rl']:.3f}", flush=True)
-        opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
-        # linear decay to 0 over the RL steps (TRL's default schedule as well)
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 1 - i / cfg.steps)
-        for step in range(1, cfg.steps + 1):
-            t0 = time.perf_counter()
-            batch = rollout(model, tokenizer,
-                            sample_train_problems(splits, cfg.task, cfg.prompts_per_step, rng),
-                            cfg, device)
-            m = rl_update(model, opt, batch, cfg, eps_low, eps_high)
-            sched.step()
-            n_tok = int(batch["mask"].sum())
-            m.update(reward=batch["rewards"].mean().item(),
-                     zero_spread=(batch["advantages"].reshape(-1, cfg.group_size) == 0).all(1)
-                     .float().mean().item(),
-                     resp_len=n_tok / len(batch["rewards"]))
-            if step % cfg.eval_every == 0 or step == cfg.steps:
-                m["val_acc"] = accuracy(model, tokenizer, cfg.task, splits["val"],
-                                        cfg.max_new_tokens, device)
-                run.checkpoint(model, tokenizer)
-            dt = time.perf_counter() - t0
-            rl_tokens, rl_seconds = rl_tokens + n_tok, rl_seconds + dt
-            m.update(tok_per_s=n_tok / dt, step_seconds=dt)
-            summary["rl_steps"] = step
-            run.log({"stage": "rl", "step": step, **m}, progress_line(step, cfg, m))
-    except KeyboardInterrupt:
-        summary["interrupted"] = True
-        print("\ninterrupted: writing a final checkpoint and summary.json", file=sys.stderr)
-    run.checkpoint(model, tokenizer)
-    summary["accuracy_after_rl"] = accuracy(model, tokenizer, cfg.task, splits["test"],
-                                            cfg.max_new_tokens, device)
-    summary["rl_tokens_per_second"] = rl_tokens / rl_seconds if rl_seconds else 0.0
+        summary["accuracy_after_rl"] = accuracy(model, tokenizer, cfg.task, splits["test"],
+                                                cfg.max_new_tokens, device)
+    summary["rl_tokens_per_second"] = summary["rl_tokens"] / max(summary["rl_seconds"], 1e-9)
     summary["wall_seconds"] = time.perf_counter() - t_start
     run.write_summary(summary)
     return summary
+
+
+def run_stages(cfg: Config, model, tokenizer, device, run: Run, splits, summary: dict, stop) -> None:
+    """The warm-up, the first checkpoint, then the GSPO steps; progress is recorded in `summary`."""
+    rng = random.Random(cfg.seed)
+    eps_low, eps_high = summary["eps_low"], summary["eps_high"]
+    summary["warmup_steps"] = warmup(model, tokenizer, splits, cfg, device, rng, run, stop)
+    summary["accuracy_before_rl"] = accuracy(model, tokenizer, cfg.task, splits["test"],
+                                             cfg.max_new_tokens, device)
+    run.checkpoint(model, tokenizer)
+    print(f"warm-up done after {summary['warmup_steps']} steps | "
+          f"test acc {summary['accuracy_before_rl']:.3f}", flush=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
+    # linear decay to 0 over the RL steps (TRL's default schedule as well)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 1 - i / cfg.steps)
+    for step in range(1, cfg.steps + 1):
+        if stop.requested:
+            break
+        t0 = time.perf_counter()
+        batch = rollout(model, tokenizer,
+                        sample_train_problems(splits, cfg.task, cfg.prompts_per_step, rng),
+                        cfg, device)
+        m = rl_update(model, opt, batch, cfg, eps_low, eps_high)
+        sched.step()
+        n_tok = int(batch["mask"].sum())
+        m.update(reward=batch["rewards"].mean().item(),
+                 zero_spread=(batch["advantages"].reshape(-1, cfg.group_size) == 0).all(1)
+                 .float().mean().item(),
+                 resp_len=n_tok / len(batch["rewards"]))
+        if step % cfg.eval_every == 0 or step == cfg.steps:
+            m["val_acc"] = accuracy(model, tokenizer, cfg.task, splits["val"],
+                                    cfg.max_new_tokens, device)
+            run.checkpoint(model, tokenizer)
+        dt = time.perf_counter() - t0
+        m.update(tok_per_s=n_tok / dt, step_seconds=dt)
+        summary["rl_steps"] = step
+        summary["rl_tokens"] += n_tok
+        summary["rl_seconds"] += dt
+        run.log({"stage": "rl", "step": step, **m}, progress_line(step, cfg, m))
 
 
 # ---------------------------------------------------------------------------------------------
