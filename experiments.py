@@ -10,6 +10,7 @@ Everything here imports gspo_minimal and adds no training logic of its own: the 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -42,9 +43,14 @@ def load_checkpoint(path: str = os.path.join(TRAIN_DIR, "checkpoint")):
     return model, tok
 
 
+@functools.cache
+def splits(task: str = "add2") -> dict:
+    """The script's fixed test / validation split, drawn once: training problems avoid both."""
+    return g.make_splits(task, 500, 300)
+
+
 def problems(n: int, rng: random.Random, task: str = "add2"):
-    splits = g.make_splits(task, 500, 300)
-    return g.sample_train_problems(splits, task, n, rng)
+    return g.sample_train_problems(splits(task), task, n, rng)
 
 
 def one_update(model, tok, cfg: g.Config, rng: random.Random, opt) -> dict:
@@ -127,26 +133,13 @@ def measure_equivalence(model, tok, cfg, rng, n_prompts: int = 1280) -> dict:
 # writing digits past the point where it would stop. That costs realism (these continuations are
 # off-distribution for the task), not validity: the ratio identity and the variance formula
 # hold for any response, and the update that moves the weights is a real GSPO step on real rollouts.
-@torch.no_grad()
 def sample_long(model, tok, n: int, length: int, rng: random.Random) -> dict:
-    from transformers import DynamicCache
+    """n responses of exactly `length` tokens each, EOS forbidden, at temperature 1."""
     texts = [g.prompt_text("add2", a, b) for a, b in problems(n, rng)]
     ids, attn = g.encode_prompts(tok, texts, "cpu")
-    cache = DynamicCache(config=model.config)
-    pos = (attn.cumsum(-1) - 1).clamp(min=0)
-    logits = model(input_ids=ids, attention_mask=attn, position_ids=pos, cache=cache,
-                   logits_to_keep=1).logits[:, -1]
-    out = []
-    for _ in range(length):
-        logits[:, tok.eos_token_id] = -float("inf")                    # never stop
-        nxt = torch.multinomial(torch.softmax(logits, -1), 1).squeeze(-1)
-        out.append(nxt)
-        attn = torch.cat([attn, torch.ones_like(attn[:, :1])], 1)
-        pos = pos[:, -1:] + 1
-        logits = model(input_ids=nxt[:, None], attention_mask=attn, position_ids=pos,
-                       cache=cache).logits[:, -1]
-    comp = torch.stack(out, 1)
-    return {"prompt_ids": ids, "prompt_mask": attn[:, :ids.shape[1]], "completions": comp,
+    comp = g.sample_completions(model, ids, attn, length, tok.eos_token_id, tok.pad_token_id,
+                                temperature=1.0, suppress_eos=True)
+    return {"prompt_ids": ids, "prompt_mask": attn, "completions": comp,
             "mask": torch.ones_like(comp, dtype=torch.bool)}
 
 
@@ -229,7 +222,6 @@ def routed_experts(model, batch: dict) -> torch.Tensor:
     for h in hooks:
         h.remove()
     B, P = batch["prompt_ids"].shape
-    T = batch["completions"].shape[1]
     keep = torch.cat([torch.zeros(B, P, dtype=torch.bool), batch["mask"]], 1).flatten()
     return torch.stack([ids[keep] for ids in seen])
 
@@ -335,7 +327,6 @@ def print_table(r: dict) -> None:
 # Sampler benchmark: the hand-written loop against transformers' generate.
 # ---------------------------------------------------------------------------------------------
 def bench_sampler(repeats: int = 15) -> dict:
-    from transformers import GenerationConfig
     torch.manual_seed(0)
     cfg = g.Config()
     results = {}

@@ -47,7 +47,6 @@ import ast
 import dataclasses
 import inspect
 import json
-import math
 import os
 import random
 import shutil
@@ -58,7 +57,6 @@ import time
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 
 # ---------------------------------------------------------------------------------------------
@@ -258,8 +256,11 @@ def completion_mask(completions: torch.Tensor, eos_id: int) -> torch.Tensor:
 
 @torch.no_grad()
 def sample_completions(model, prompt_ids, prompt_mask, max_new_tokens: int, eos_id: int,
-                       pad_id: int, temperature: float = 1.0) -> torch.Tensor:
+                       pad_id: int, temperature: float = 1.0, suppress_eos: bool = False) -> torch.Tensor:
     """Sample one completion per row; temperature 0 is greedy. Returns (B, T) token ids, T <= max_new.
+
+    `suppress_eos` forbids EOS, so every row runs to max_new_tokens (experiments.py uses it to get
+    long responses from a model whose answers are short).
 
     A hand-written loop over a DynamicCache rather than `model.generate`. Measured side by side
     (`python experiments.py sampler`, 256 completions, 2 CPU threads): on the trained model the two
@@ -280,6 +281,8 @@ def sample_completions(model, prompt_ids, prompt_mask, max_new_tokens: int, eos_
     done = torch.zeros(len(prompt_ids), dtype=torch.bool, device=prompt_ids.device)
     out = []
     for _ in range(max_new_tokens):
+        if suppress_eos:
+            logits[:, eos_id] = -float("inf")
         if temperature > 0:
             probs = torch.softmax(logits.float() / temperature, dim=-1)
             nxt = torch.multinomial(probs, 1).squeeze(-1)          # (B,)
@@ -694,7 +697,7 @@ def progress_line(step: int, cfg: Config, m: dict) -> str:
             f"len {m['resp_len']:.1f} | {m['tok_per_s'] / 1e3:.1f}k tok/s")
 
 
-def train(cfg: Config, model, tokenizer, device, run: Run, t_start: float) -> dict:
+def train(cfg: Config, model, tokenizer, device, run: Run) -> dict:
     """Warm-up, then GSPO. Returns summary.json's contents; Ctrl-C ends it cleanly."""
     splits = make_splits(cfg.task, cfg.test_size, cfg.val_size)
     eps_low, eps_high = resolved_eps(cfg)
@@ -713,7 +716,7 @@ def train(cfg: Config, model, tokenizer, device, run: Run, t_start: float) -> di
         summary["accuracy_after_rl"] = accuracy(model, tokenizer, cfg.task, splits["test"],
                                                 cfg.max_new_tokens, device)
     summary["rl_tokens_per_second"] = summary["rl_tokens"] / max(summary["rl_seconds"], 1e-9)
-    summary["wall_seconds"] = time.perf_counter() - t_start
+    summary["wall_seconds"] = time.perf_counter() - run.t_start     # the whole run, set-up included
     run.write_summary(summary)
     return summary
 
@@ -865,7 +868,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{cfg.loss} | {type(model).__name__} {n_params / 1e6:.2f}M params | {cfg.task} | "
           f"device {device} | seed {cfg.seed} | out {cfg.out}", flush=True)
     run = Run(cfg.out, t_start)
-    summary = train(cfg, model, tokenizer, device, run, t_start)
+    summary = train(cfg, model, tokenizer, device, run)
     before = summary["accuracy_before_rl"]
     print(f"test accuracy: {'n/a' if before is None else f'{before:.3f}'} after warm-up -> "
           f"{summary['accuracy_after_rl']:.3f} after RL | {summary['wall_seconds']:.0f} s | "

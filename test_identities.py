@@ -132,7 +132,6 @@ def test_ratio_equals_inverse_perplexity_ratio_and_exp_entropy_gap(b):
     ppl_old, ppl_new = g.perplexity(lp_old, b.mask), g.perplexity(lp_new, b.mask)
     h_old, h_new = g.cross_entropy(lp_old, b.mask), g.cross_entropy(lp_new, b.mask)
     tol = identity_tolerance(b, lp_new, lp_old)
-    log_s = torch.log(s)
     finite = torch.isfinite(ppl_old) & torch.isfinite(ppl_new) & (s > 0) & torch.isfinite(s)
     ppl_form = (ppl_old / ppl_new).to(F64)
     ent_form = torch.exp(h_old - h_new).to(F64)
