@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 SEED   ?= 0
 export HF_HUB_OFFLINE ?= 1
 
-.PHONY: train test test-thorough verify figures test-trl clean
+.PHONY: train test test-thorough verify figures trl test-trl bench clean
 
 $(STAMP): requirements.txt
 	$(PYTHON) -m venv $(VENV)
@@ -28,6 +28,12 @@ $(VENV)/.installed-trl: $(STAMP) requirements-trl.txt
 
 test-trl: $(VENV)/.installed-trl  ## installs the TRL extra, then checks our losses equal TRL's
 	$(PY) -m pytest -q -p no:warnings test_trl.py
+
+trl: $(VENV)/.installed-trl  ## the default run with TRL's GRPOTrainer doing the GSPO steps, into runs/trl
+	$(PY) trl_compare.py trl --seed $(SEED)
+
+bench: $(VENV)/.installed-trl  ## ours against TRL, same cycle, side by side: runs/bench/bench.json
+	$(PY) trl_compare.py bench
 
 verify: $(STAMP)  ## the papers' predictions measured on runs/train (trains first if missing)
 	$(PY) experiments.py verify

@@ -107,3 +107,52 @@ def test_trl_default_loss_type_weights_each_sequence_by_its_length(tmp_path):
                              g.importance_ratio(new, old, mask).clamp(1 - 3e-4, 1 + 4e-4) * adv)
     assert abs(v_trl.item() - (per_seq * lengths).sum().item() / lengths.sum().item()) <= 1e-12
     assert weight.min().item() == pytest.approx(1 / 3.625) and weight.max().item() == pytest.approx(6 / 3.625)
+
+
+# --- trl_compare.py: the TRL run (make trl) ---------------------------------------------------------
+TINY = ["--steps", "3", "--warmup-max-steps", "20", "--val-size", "40", "--test-size", "40",
+        "--prompts-per-step", "4", "--group-size", "4", "--minibatches", "2", "--eval-every", "2"]
+
+
+def test_grpo_config_is_gspo_with_our_batch_and_optimiser(tmp_path):
+    import trl_compare as tc
+    args = tc.grpo_config(g.Config(), rollouts=3, out=str(tmp_path), device=torch.device("cpu"))
+    assert (args.importance_sampling_level, args.loss_type, args.beta) == ("sequence", "grpo", 0.0)
+    assert (args.epsilon, args.epsilon_high) == (3e-4, 4e-4)
+    # one rollout of 32 x 8 completions, four optimiser steps of 64 completions each
+    assert (args.num_generations, args.per_device_train_batch_size, args.steps_per_generation,
+            args.gradient_accumulation_steps, args.max_steps) == (8, 64, 4, 1, 12)
+    assert (args.learning_rate, args.weight_decay, args.max_grad_norm, args.lr_scheduler_type) == (
+        2e-4, 0.01, 1.0, "linear")
+    assert not args.gradient_checkpointing and not args.bf16 and args.shuffle_dataset is False
+    grpo = tc.grpo_config(g.Config(loss="grpo"), rollouts=1, out=str(tmp_path), device=torch.device("cpu"))
+    assert (grpo.importance_sampling_level, grpo.epsilon, grpo.epsilon_high) == ("token", 0.2, 0.27)
+
+
+def test_make_trl_writes_the_same_metrics_and_summary_fields_as_our_loop(tmp_path, capsys):
+    import json
+    import trl_compare as tc
+    out = tmp_path / "trl"
+    assert tc.trl_main(TINY + ["--out", str(out)]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    for key in ("accuracy_before_rl", "accuracy_after_rl", "wall_seconds", "rl_tokens_per_second",
+                "seed", "loss", "interrupted", "rl_steps", "rl_tokens", "warmup_steps"):
+        assert key in summary, key
+    assert summary["rl_steps"] == 3 and summary["trl_config"]["importance_sampling_level"] == "sequence"
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    rl = [r for r in records if r["stage"] == "rl"]
+    assert [r["step"] for r in rl] == [1, 2, 3]
+    assert [r["step"] for r in rl if "val_acc" in r] == [2, 3]
+    for r in rl:
+        assert {"reward", "zero_spread", "s_mean", "s_min", "s_max", "clip_tokens", "clip_seqs",
+                "form_gap", "resp_len", "tok_per_s", "loss"} <= set(r)
+        assert r["s_min"] <= r["s_mean"] <= r["s_max"] and r["form_gap"] < 1e-4
+    assert (out / "checkpoint" / "config.json").exists()
+    assert "after TRL" in capsys.readouterr().out
+
+
+def test_make_trl_refuses_gspo_token_in_one_line(capsys):
+    import trl_compare as tc
+    assert tc.trl_main(["--loss", "gspo-token"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "GSPO-token" in err

@@ -1,0 +1,458 @@
+"""The same GSPO run in TRL, and gspo_minimal.py against TRL side by side.
+
+    make trl      # python trl_compare.py trl [gspo_minimal flags]: the default run in TRL -> runs/trl
+    make bench    # python trl_compare.py bench: time per cycle, tokens/s, memory, accuracy -> runs/bench
+
+Needs requirements-trl.txt (the Makefile installs it). TRL's `GRPOTrainer` becomes GSPO with
+
+    GRPOConfig(importance_sampling_level="sequence",   # s_i = exp(mean_t log-ratio), GSPO eq. 7
+               loss_type="grpo",                       # (1/B) sum_i over sequences; the default "dapo"
+                                                       # weights each sequence by its length (test_trl.py)
+               beta=0.0,                               # no KL term, no reference model
+               epsilon=3e-4, epsilon_high=4e-4,        # GSPO's clip band
+               steps_per_generation=minibatches,       # one rollout, `minibatches` optimiser steps
+               per_device_train_batch_size=prompts*G/minibatches, num_generations=G,
+               gradient_checkpointing=False, bf16=False)  # GRPOConfig defaults True for both
+
+and everything else follows gspo_minimal.py: the same warm-up (its own function, same seed, so the
+same starting weights), the same prompts in the same order (`shuffle_dataset=False` over the list our
+loop would draw), the same reward on the completion token ids (EOS required), the same test set.
+Where the two still differ, each measured or checked in tutorial.md section 11:
+  * TRL's advantage is (r - mean) / (std + 1e-4); ours adds 1e-6. With 0/1 rewards and G=8 the
+    smallest non-zero std is 0.35, so the two differ by less than 3e-4 relative.
+  * TRL decays the learning rate after every optimiser step (steps x minibatches of them), ours
+    after every rollout; both linearly to 0.
+  * transformers' Trainer exempts biases and norm weights from weight decay and uses fused AdamW;
+    ours decays every weight, with the same AdamW maths (weight_decay 0.01 on both).
+  * TRL samples with `model.generate`, ours with its own loop (same distribution: temperature 1,
+    no top-k or top-p).
+  * TRL computes pi_old's log-probs in a separate pass over the rollout, in chunks of
+    per_device_train_batch_size; ours reuses the first minibatch's own forward pass for it (so
+    s = 1 exactly there) and one no-grad pass for the rest. Same numbers up to float32 round-off.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+import gspo_minimal as g
+
+
+# ---------------------------------------------------------------------------------------------
+# gspo_minimal's Config, translated flag by flag into TRL's GRPOConfig.
+# ---------------------------------------------------------------------------------------------
+def grpo_config(cfg: g.Config, rollouts: int, out: str, device: torch.device):
+    """The GRPOConfig that runs `rollouts` GSPO steps of `cfg` (see the module docstring)."""
+    from trl import GRPOConfig
+
+    if cfg.loss == "gspo-token":
+        raise g.BadInput("TRL has no GSPO-token objective; use --loss gspo or --loss grpo")
+    rollout_size = cfg.prompts_per_step * cfg.group_size
+    if rollout_size % cfg.minibatches:
+        raise g.BadInput("prompts-per-step x group-size must divide into --minibatches equal parts")
+    eps_low, eps_high = g.resolved_eps(cfg)
+    return GRPOConfig(
+        output_dir=out, seed=cfg.seed, use_cpu=device.type == "cpu",
+        # the objective
+        importance_sampling_level="token" if cfg.loss == "grpo" else "sequence",
+        loss_type="grpo", beta=0.0, epsilon=eps_low, epsilon_high=eps_high,
+        scale_rewards="group", num_iterations=1,
+        # the batch: one rollout of prompts x G completions, split into `minibatches` steps
+        num_generations=cfg.group_size, per_device_train_batch_size=rollout_size // cfg.minibatches,
+        steps_per_generation=cfg.minibatches, gradient_accumulation_steps=1,
+        max_steps=rollouts * cfg.minibatches, shuffle_dataset=False,
+        # sampling
+        max_completion_length=cfg.max_new_tokens, temperature=cfg.temperature, top_p=1.0, top_k=0,
+        # the optimiser: AdamW (torch defaults otherwise), linear decay to 0, gradient clipping
+        learning_rate=cfg.lr, lr_scheduler_type="linear", warmup_steps=0, weight_decay=0.01,
+        max_grad_norm=cfg.grad_clip,
+        # GRPOConfig defaults that would change the computation or slow a small model down
+        gradient_checkpointing=False, bf16=False, fp16=False,
+        # logging and saving off: runs/trl gets our own metrics.jsonl instead
+        report_to="none", logging_strategy="no", save_strategy="no", disable_tqdm=True,
+        log_completions=False, remove_unused_columns=False, dataloader_num_workers=0,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# The reward: gspo_minimal.reward on TRL's completion token ids, so a missing EOS scores 0.
+# ---------------------------------------------------------------------------------------------
+class EosExactMatch:
+    """TRL calls this once per rollout with every completion; it keeps the rewards for the log."""
+
+    __name__ = "eos_exact_match"        # TRL names the reward's metrics after it
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.rewards, self.lengths = tokenizer, [], []
+
+    def __call__(self, prompts, completions, completion_ids, answer, **kwargs) -> list[float]:
+        # completion_ids: TRL's token ids, cut after the first EOS (EOS included)
+        self.rewards = [g.reward(ids, ans, self.tokenizer) for ids, ans in zip(completion_ids, answer)]
+        self.lengths = [len(ids) for ids in completion_ids]
+        return self.rewards
+
+
+def problems_dataset(task: str, problems):
+    from datasets import Dataset
+    return Dataset.from_dict({"prompt": [g.prompt_text(task, a, b) for a, b in problems],
+                              "answer": [g.answer_text(task, a, b) for a, b in problems]})
+
+
+def build_trainer(cfg: g.Config, model, tokenizer, problems, rollouts: int, out: str, device,
+                  record_ratios: bool = True):
+    from transformers import PrinterCallback
+    from trl import GRPOTrainer
+
+    class GSPOTrainer(GRPOTrainer):
+        """GRPOTrainer, unchanged, plus a record of what its loss saw (for metrics.jsonl), and the
+        time spent sampling. With record_ratios=False (the benchmark) it adds only the clock."""
+
+        def _get_per_token_logps_and_entropies(self, *args, **kwargs):
+            out = super()._get_per_token_logps_and_entropies(*args, **kwargs)
+            self.last_logps = out[0]
+            return out
+
+        def _compute_loss(self, model, inputs):
+            loss = super()._compute_loss(model, inputs)
+            if record_ratios:            # the same ratio metrics as gspo_minimal.rl_update logs
+                m = g.ratio_metrics(self.last_logps.detach(), inputs["old_per_token_logps"],
+                                    inputs["advantages"], inputs["completion_mask"], cfg.loss,
+                                    self.args.epsilon, self.args.epsilon_high)
+                self.minibatch_log.append({**m, "loss": loss.item()})
+            return loss
+
+        def _generate_single_turn(self, *args, **kwargs):
+            t0 = time.perf_counter()
+            out = super()._generate_single_turn(*args, **kwargs)
+            self.sampling_seconds += time.perf_counter() - t0
+            return out
+
+    reward = EosExactMatch(tokenizer)
+    trainer = GSPOTrainer(model=model, reward_funcs=reward, processing_class=tokenizer,
+                          args=grpo_config(cfg, rollouts, out, device),
+                          train_dataset=problems_dataset(cfg.task, problems))
+    trainer.reward, trainer.minibatch_log, trainer.sampling_seconds = reward, [], 0.0
+    trainer.remove_callback(PrinterCallback)     # its end-of-training dict; our own log says it all
+    return trainer
+
+
+def rollout_record(trainer, cfg: g.Config) -> dict:
+    """One metrics.jsonl record per rollout, with gspo_minimal's keys, from what TRL computed."""
+    logs, trainer.minibatch_log = trainer.minibatch_log, []
+    rewards = torch.tensor(trainer.reward.rewards)
+    s = torch.cat([m["s"] for m in logs])
+    tokens = sum(m["tokens"] for m in logs)
+    return {"loss": sum(m["loss"] for m in logs) / len(logs), "s_mean": s.mean().item(),
+            "s_min": s.min().item(), "s_max": s.max().item(),
+            "clip_tokens": sum(m["clipped_tokens"] for m in logs) / max(tokens, 1),
+            "clip_seqs": sum(m["clipped_seqs"] for m in logs) / len(s),
+            "form_gap": max(m["form_gap"] for m in logs), "reward": rewards.mean().item(),
+            "zero_spread": (rewards.reshape(-1, cfg.group_size).std(1) == 0).float().mean().item(),
+            "resp_len": tokens / len(s)}
+
+
+def cycle_callback(cfg: g.Config, on_cycle):
+    """Calls on_cycle(trainer_state, control) after the last optimiser step of every rollout."""
+    from transformers import TrainerCallback
+
+    class EveryRollout(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step % cfg.minibatches == 0:
+                on_cycle(state, control)
+    return EveryRollout()
+
+
+# ---------------------------------------------------------------------------------------------
+# make trl: gspo_minimal's default run, with TRL doing the RL steps.
+# ---------------------------------------------------------------------------------------------
+def train_trl(cfg: g.Config, model, tokenizer, device, run: g.Run) -> dict:
+    """Warm-up (gspo_minimal's), then `cfg.steps` rollouts in TRL. Same summary.json as g.train."""
+    splits = g.make_splits(cfg.task, cfg.test_size, cfg.val_size)
+    eps_low, eps_high = g.resolved_eps(cfg)
+    summary = {"seed": cfg.seed, "loss": cfg.loss, "eps_low": eps_low, "eps_high": eps_high,
+               "accuracy_before_rl": None, "interrupted": False, "rl_steps": 0, "rl_tokens": 0,
+               "rl_seconds": 0.0, "trainer": "trl.GRPOTrainer", "config": vars(cfg).copy()}
+    rng = random.Random(cfg.seed)
+    with g.GracefulStop() as stop:
+        try:
+            summary["warmup_steps"] = g.warmup(model, tokenizer, splits, cfg, device, rng, run, stop)
+            summary["accuracy_before_rl"] = g.accuracy(model, tokenizer, cfg.task, splits["test"],
+                                                       cfg.max_new_tokens, device)
+            run.checkpoint(model, tokenizer)
+            print(f"warm-up done after {summary['warmup_steps']} steps | "
+                  f"test acc {summary['accuracy_before_rl']:.3f}", flush=True)
+            # the prompts our loop would draw, step after step, from the same generator
+            problems = g.sample_train_problems(splits, cfg.task, cfg.steps * cfg.prompts_per_step, rng)
+            trainer = build_trainer(cfg, model, tokenizer, problems, cfg.steps,
+                                    os.path.join(run.dir, "trl_output"), device)
+            summary["trl_config"] = trainer.args.to_dict()
+            last = [time.perf_counter()]
+
+            def on_cycle(state, control):
+                step = state.global_step // cfg.minibatches
+                m = rollout_record(trainer, cfg)
+                if step % cfg.eval_every == 0 or step == cfg.steps:
+                    m["val_acc"] = g.accuracy(model, tokenizer, cfg.task, splits["val"],
+                                              cfg.max_new_tokens, device)
+                    run.checkpoint(model, tokenizer)
+                now = time.perf_counter()
+                dt, last[0] = now - last[0], now
+                n_tok = round(m["resp_len"] * cfg.prompts_per_step * cfg.group_size)
+                m.update(tok_per_s=n_tok / dt, step_seconds=dt)
+                summary["rl_steps"] = step
+                summary["rl_tokens"] += n_tok
+                summary["rl_seconds"] += dt
+                run.log({"stage": "rl", "step": step, **m}, g.progress_line(step, cfg, m))
+                if stop.requested:
+                    control.should_training_stop = True
+
+            trainer.add_callback(cycle_callback(cfg, on_cycle))
+            trainer.train()
+        except KeyboardInterrupt:                      # the second Ctrl-C: stop where we are
+            pass
+        summary["interrupted"] = stop.requested
+        run.checkpoint(model, tokenizer)
+        summary["accuracy_after_rl"] = g.accuracy(model, tokenizer, cfg.task, splits["test"],
+                                                  cfg.max_new_tokens, device)
+    summary["rl_tokens_per_second"] = summary["rl_tokens"] / max(summary["rl_seconds"], 1e-9)
+    summary["wall_seconds"] = time.perf_counter() - run.t_start
+    run.write_summary(summary)
+    return summary
+
+
+def trl_main(argv: list[str]) -> int:
+    """`python trl_compare.py trl [flags]`: gspo_minimal's flags; --out defaults to runs/trl."""
+    t_start = time.perf_counter()
+    try:
+        cfg = g.parse_config(["--out", "runs/trl", *argv])
+        if cfg.loss == "gspo-token":
+            raise g.BadInput("TRL has no GSPO-token objective; use --loss gspo or --loss grpo")
+    except g.BadInput as err:
+        print(f"trl_compare.py: error: {err}", file=sys.stderr)
+        return 2
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    quiet_libraries()
+    torch.manual_seed(cfg.seed)
+    device = g.pick_device(cfg)
+    model, tokenizer = g.build(cfg, device)
+    import trl
+    print(f"TRL {trl.__version__} GRPOTrainer as {cfg.loss} | {type(model).__name__} | {cfg.task} | "
+          f"device {device} | seed {cfg.seed} | out {cfg.out}", flush=True)
+    run = g.Run(cfg.out, t_start)
+    summary = train_trl(cfg, model, tokenizer, device, run)
+    print(f"test accuracy: {summary['accuracy_before_rl']} after warm-up -> "
+          f"{summary['accuracy_after_rl']:.3f} after TRL | {summary['wall_seconds']:.0f} s | "
+          f"{run.dir}/summary.json", flush=True)
+    return 130 if summary["interrupted"] else 0
+
+
+def quiet_libraries():
+    import warnings
+    from transformers.utils import logging as hf_logging
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+    # GRPOConfig's own default for `gradient_checkpointing` is True, so it has to be set (to False)
+    # under the name transformers 5 calls deprecated
+    warnings.filterwarnings("ignore", message=".*gradient_checkpointing.*", category=FutureWarning)
+
+
+# ---------------------------------------------------------------------------------------------
+# make bench: the same cycle, ours and TRL's, each in its own process (so each has its own peak
+# memory), on the same warmed-up weights, model, task, batch, minibatches and threads.
+# ---------------------------------------------------------------------------------------------
+BENCH_DIR = "runs/bench"
+WARM_CYCLES, TIMED_CYCLES = 5, 30
+
+
+def peak_rss_mb() -> float:
+    """This process's peak resident memory. Not getrusage's ru_maxrss: Linux carries that over
+    exec from the parent, so a child would report the parent's peak when its own is lower."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 1024  # KiB
+
+
+def load_start(path: str, device):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer.padding_side = "left"
+    return AutoModelForCausalLM.from_pretrained(path).to(device), tokenizer
+
+
+def bench_ours(cfg: g.Config, start: str, device, budget: float | None) -> dict:
+    """Timed cycles, then `cfg.steps` rollouts from the same start for the equal-time accuracy."""
+    splits = g.make_splits(cfg.task, cfg.test_size, cfg.val_size)
+    eps_low, eps_high = g.resolved_eps(cfg)
+
+    def run_cycles(n: int, stop_after: float | None = None):
+        model, tokenizer = load_start(start, device)
+        torch.manual_seed(cfg.seed)
+        rng = random.Random(cfg.seed)
+        opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.01)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 1 - i / n)
+        ends, tokens, sampling = [time.perf_counter()], [], []
+        for _ in range(n):                 # exactly gspo_minimal.run_stages' step, without the evals
+            t0 = time.perf_counter()
+            batch = g.rollout(model, tokenizer,
+                              g.sample_train_problems(splits, cfg.task, cfg.prompts_per_step, rng),
+                              cfg, device)
+            sampling.append(time.perf_counter() - t0)
+            g.rl_update(model, opt, batch, cfg, eps_low, eps_high)
+            sched.step()
+            ends.append(time.perf_counter())
+            tokens.append(int(batch["mask"].sum()))
+            if stop_after is not None and ends[-1] - ends[0] >= stop_after:
+                break
+        acc = g.accuracy(model, tokenizer, cfg.task, splits["test"], cfg.max_new_tokens, device)
+        return [b - a for a, b in zip(ends, ends[1:])], tokens, sampling, acc
+
+    cycles, tokens, sampling, _ = run_cycles(WARM_CYCLES + TIMED_CYCLES)
+    seconds, _, _, acc = run_cycles(cfg.steps)
+    return {**cycle_stats(cycles, tokens, sampling), "accuracy": acc, "rollouts": len(seconds),
+            "train_seconds": sum(seconds)}
+
+
+def bench_trl(cfg: g.Config, start: str, device, budget: float) -> dict:
+    """Timed cycles, then as many rollouts as fit in `budget` seconds (its LR schedule sized to end
+    there: TRL at its best), from the same start, for the equal-time accuracy."""
+    splits = g.make_splits(cfg.task, cfg.test_size, cfg.val_size)
+
+    def run_cycles(n: int, stop_after: float | None = None):
+        model, tokenizer = load_start(start, device)
+        rng = random.Random(cfg.seed)
+        problems = g.sample_train_problems(splits, cfg.task, n * cfg.prompts_per_step, rng)
+        trainer = build_trainer(cfg, model, tokenizer, problems, n, os.path.join(BENCH_DIR, "trl_output"),
+                                device, record_ratios=False)
+        ends, tokens, sampling = [], [], []
+
+        def on_cycle(state, control):
+            ends.append(time.perf_counter())
+            tokens.append(sum(trainer.reward.lengths))
+            sampling.append(trainer.sampling_seconds)
+            trainer.sampling_seconds = 0.0
+            if stop_after is not None and ends[-1] - ends[0] >= stop_after:
+                control.should_training_stop = True
+
+        trainer.add_callback(cycle_callback(cfg, on_cycle))
+        t_begin = time.perf_counter()
+        trainer.train()
+        ends.insert(0, t_begin)     # the first cycle also holds TRL's start-up: a warm-up cycle
+        acc = g.accuracy(model, tokenizer, cfg.task, splits["test"], cfg.max_new_tokens, device)
+        return [b - a for a, b in zip(ends, ends[1:])], tokens, sampling, acc, trainer.args.to_dict()
+
+    cycles, tokens, sampling, _, args = run_cycles(WARM_CYCLES + TIMED_CYCLES)
+    stats = cycle_stats(cycles, tokens, sampling)
+    n = max(1, math.floor(budget / stats["cycle_seconds"]))
+    seconds, _, _, acc, _ = run_cycles(n, stop_after=budget)
+    return {**stats, "accuracy": acc, "rollouts": len(seconds), "train_seconds": sum(seconds),
+            "grpo_config": args}
+
+
+def cycle_stats(cycles: list[float], tokens: list[int], sampling: list[float]) -> dict:
+    """Medians over the timed cycles, the first WARM_CYCLES discarded."""
+    c, t, s = cycles[WARM_CYCLES:], tokens[WARM_CYCLES:], sampling[WARM_CYCLES:]
+    return {"cycle_seconds": statistics.median(c),
+            "cycle_seconds_all": c,
+            "tokens_per_second": statistics.median(n / dt for n, dt in zip(t, c)),
+            "sampling_tokens_per_second": statistics.median(n / dt for n, dt in zip(t, s))}
+
+
+def bench_side(argv: list[str]) -> int:
+    """Child process: `trl_compare.py _side {ours,trl} START BUDGET THREADS OUT_JSON`."""
+    side, start, budget, threads, out = argv
+    torch.set_num_threads(int(threads))
+    quiet_libraries()
+    cfg, device = g.Config(threads=int(threads)), torch.device("cpu")
+    fn = bench_ours if side == "ours" else bench_trl
+    result = fn(cfg, start, device, float(budget))
+    result["peak_rss_mb"] = peak_rss_mb()
+    with open(out, "w") as f:
+        json.dump(result, f)
+    return 0
+
+
+def bench_main(argv: list[str]) -> int:
+    import trl
+    import transformers
+    threads = int(argv[0]) if argv else torch.get_num_threads()
+    t0 = time.perf_counter()
+    os.makedirs(BENCH_DIR, exist_ok=True)
+    cfg = g.Config(threads=threads, out=os.path.join(BENCH_DIR, "start"))
+    start = os.path.join(cfg.out, "checkpoint")
+    if not os.path.isdir(start):                     # gspo_minimal's warm-up, seed 0: both sides start here
+        print("warm-up: the shared starting weights", flush=True)
+        torch.set_num_threads(threads)
+        torch.manual_seed(cfg.seed)
+        tokenizer = g.build_char_tokenizer()
+        model = g.build_tiny_model(tokenizer)
+        run = g.Run(cfg.out)
+        splits = g.make_splits(cfg.task, cfg.test_size, cfg.val_size)
+        with g.GracefulStop() as stop:
+            g.warmup(model, tokenizer, splits, cfg, torch.device("cpu"), random.Random(cfg.seed), run, stop)
+        run.checkpoint(model, tokenizer)
+    results = {}
+    budget = "0"
+    for side in ("ours", "trl"):
+        print(f"{side}: {WARM_CYCLES} warm-up + {TIMED_CYCLES} timed cycles, then training for "
+              f"{'500 rollouts' if side == 'ours' else f'{float(budget):.0f} s'}", flush=True)
+        out = os.path.join(BENCH_DIR, f"{side}.json")
+        subprocess.run([sys.executable, __file__, "_side", side, start, budget, str(threads), out],
+                       check=True)
+        with open(out) as f:
+            results[side] = json.load(f)
+        budget = str(results["ours"]["train_seconds"])
+    ours, trl_ = results["ours"], results["trl"]
+    bench = {
+        "cycle_seconds_ours": ours["cycle_seconds"], "cycle_seconds_trl": trl_["cycle_seconds"],
+        "speedup": trl_["cycle_seconds"] / ours["cycle_seconds"],
+        "tokens_per_second_ours": ours["tokens_per_second"], "tokens_per_second_trl": trl_["tokens_per_second"],
+        "sampling_tokens_per_second_ours": ours["sampling_tokens_per_second"],
+        "sampling_tokens_per_second_trl": trl_["sampling_tokens_per_second"],
+        "accuracy_ours": ours["accuracy"], "accuracy_trl": trl_["accuracy"],
+        "equal_wall_seconds": ours["train_seconds"],
+        "rollouts_ours": ours["rollouts"], "rollouts_trl": trl_["rollouts"],
+        "train_seconds_trl": trl_["train_seconds"],
+        "peak_rss_mb_ours": ours["peak_rss_mb"], "peak_rss_mb_trl": trl_["peak_rss_mb"],
+        "trl_version": trl.__version__, "transformers_version": transformers.__version__,
+        "torch_version": torch.__version__, "threads": threads,
+        "warm_cycles_discarded": WARM_CYCLES, "timed_cycles": TIMED_CYCLES,
+        "cycle_seconds_all_ours": ours["cycle_seconds_all"], "cycle_seconds_all_trl": trl_["cycle_seconds_all"],
+        "config": {"ours": vars(g.Config(threads=threads)) | {"weight_decay": 0.01},
+                   "trl": trl_["grpo_config"]},
+        "bench_seconds": time.perf_counter() - t0,
+    }
+    with open(os.path.join(BENCH_DIR, "bench.json"), "w") as f:
+        json.dump(bench, f, indent=2)
+    print_bench(bench)
+    return 0
+
+
+def print_bench(b: dict) -> None:
+    rows = [("cycle (rollout + 4 updates), median s", "cycle_seconds", "{:.3f}"),
+            ("completion tokens / s over the cycle", "tokens_per_second", "{:.0f}"),
+            ("completion tokens / s while sampling", "sampling_tokens_per_second", "{:.0f}"),
+            (f"test accuracy after {b['equal_wall_seconds']:.0f} s of training", "accuracy", "{:.3f}"),
+            ("rollouts in that time", "rollouts", "{}"),
+            ("peak RSS, MB", "peak_rss_mb", "{:.0f}")]
+    print(f"\n{'':44s} {'ours':>9s} {'TRL ' + b['trl_version']:>11s}")
+    for label, key, fmt in rows:
+        print(f"{label:44s} {fmt.format(b[key + '_ours']):>9s} {fmt.format(b[key + '_trl']):>11s}")
+    print(f"speedup per cycle (TRL / ours): {b['speedup']:.2f}x | {b['threads']} threads | "
+          f"{b['bench_seconds']:.0f} s | {BENCH_DIR}/bench.json")
+
+
+if __name__ == "__main__":
+    commands = {"trl": trl_main, "bench": bench_main, "_side": bench_side}
+    if len(sys.argv) < 2 or sys.argv[1] not in commands:
+        print("usage: python trl_compare.py {trl,bench} [...]", file=sys.stderr)
+        sys.exit(2)
+    sys.exit(commands[sys.argv[1]](sys.argv[2:]))
