@@ -747,6 +747,14 @@ def progress_line(step: int, cfg: Config, m: dict) -> str:
             f"len {m['resp_len']:.1f} | {m['tok_per_s'] / 1e3:.1f}k tok/s")
 
 
+def rl_optimizer(model, cfg: Config):
+    """AdamW (weight decay 0.01, torch's default) with the learning rate decayed linearly to 0 over
+    the RL steps, TRL's default schedule as well. Fused: one kernel for all parameters instead of
+    a Python loop over them, as transformers' Trainer does."""
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, fused=True)
+    return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 1 - i / cfg.steps)
+
+
 def train(cfg: Config, model, tokenizer, device, run: Run) -> dict:
     """Warm-up, then GSPO. Returns summary.json's contents; Ctrl-C ends it cleanly."""
     splits = make_splits(cfg.task, cfg.test_size, cfg.val_size)
@@ -781,10 +789,7 @@ def run_stages(cfg: Config, model, tokenizer, device, run: Run, splits, summary:
     run.checkpoint(model, tokenizer)
     print(f"warm-up done after {summary['warmup_steps']} steps | "
           f"test acc {summary['accuracy_before_rl']:.3f}", flush=True)
-    # fused: one kernel for all parameters instead of a Python loop over them (as transformers' Trainer)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, fused=True)
-    # linear decay to 0 over the RL steps (TRL's default schedule as well)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 1 - i / cfg.steps)
+    opt, sched = rl_optimizer(model, cfg)
     for step in range(1, cfg.steps + 1):
         if stop.requested:
             break

@@ -33,6 +33,7 @@ Where the two still differ, each measured or checked in tutorial.md section 11:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -50,7 +51,7 @@ import gspo_minimal as g
 # ---------------------------------------------------------------------------------------------
 # gspo_minimal's Config, translated flag by flag into TRL's GRPOConfig.
 # ---------------------------------------------------------------------------------------------
-def grpo_config(cfg: g.Config, rollouts: int, out: str, device: torch.device):
+def grpo_config(cfg: g.Config, rollouts: int, out: str, device: torch.device, **overrides):
     """The GRPOConfig that runs `rollouts` GSPO steps of `cfg` (see the module docstring)."""
     from trl import GRPOConfig
 
@@ -60,7 +61,7 @@ def grpo_config(cfg: g.Config, rollouts: int, out: str, device: torch.device):
     if rollout_size % cfg.minibatches:
         raise g.BadInput("prompts-per-step x group-size must divide into --minibatches equal parts")
     eps_low, eps_high = g.resolved_eps(cfg)
-    return GRPOConfig(
+    return GRPOConfig(**dict(
         output_dir=out, seed=cfg.seed, use_cpu=device.type == "cpu",
         # the objective
         importance_sampling_level="token" if cfg.loss == "grpo" else "sequence",
@@ -80,7 +81,7 @@ def grpo_config(cfg: g.Config, rollouts: int, out: str, device: torch.device):
         # logging and saving off: runs/trl gets our own metrics.jsonl instead
         report_to="none", logging_strategy="no", save_strategy="no", disable_tqdm=True,
         log_completions=False, remove_unused_columns=False, dataloader_num_workers=0,
-    )
+    ) | overrides)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -108,7 +109,7 @@ def problems_dataset(task: str, problems):
 
 
 def build_trainer(cfg: g.Config, model, tokenizer, problems, rollouts: int, out: str, device,
-                  record_ratios: bool = True):
+                  record_ratios: bool = True, **overrides):
     from transformers import PrinterCallback
     from trl import GRPOTrainer
 
@@ -138,7 +139,7 @@ def build_trainer(cfg: g.Config, model, tokenizer, problems, rollouts: int, out:
 
     reward = EosExactMatch(tokenizer)
     trainer = GSPOTrainer(model=model, reward_funcs=reward, processing_class=tokenizer,
-                          args=grpo_config(cfg, rollouts, out, device),
+                          args=grpo_config(cfg, rollouts, out, device, **overrides),
                           train_dataset=problems_dataset(cfg.task, problems))
     trainer.reward, trainer.minibatch_log, trainer.sampling_seconds = reward, [], 0.0
     trainer.remove_callback(PrinterCallback)     # its end-of-training dict; our own log says it all
@@ -297,8 +298,7 @@ def bench_ours(cfg: g.Config, start: str, device, budget: float | None) -> dict:
         model, tokenizer = load_start(start, device)
         torch.manual_seed(cfg.seed)
         rng = random.Random(cfg.seed)
-        opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.01)
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 1 - i / n)
+        opt, sched = g.rl_optimizer(model, dataclasses.replace(cfg, steps=n))
         ends, tokens, sampling = [time.perf_counter()], [], []
         for _ in range(n):                 # exactly gspo_minimal.run_stages' step, without the evals
             t0 = time.perf_counter()
@@ -326,12 +326,12 @@ def bench_trl(cfg: g.Config, start: str, device, budget: float) -> dict:
     there: TRL at its best), from the same start, for the equal-time accuracy."""
     splits = g.make_splits(cfg.task, cfg.test_size, cfg.val_size)
 
-    def run_cycles(n: int, stop_after: float | None = None):
+    def run_cycles(n: int, stop_after: float | None = None, **overrides):
         model, tokenizer = load_start(start, device)
         rng = random.Random(cfg.seed)
         problems = g.sample_train_problems(splits, cfg.task, n * cfg.prompts_per_step, rng)
         trainer = build_trainer(cfg, model, tokenizer, problems, n, os.path.join(BENCH_DIR, "trl_output"),
-                                device, record_ratios=False)
+                                device, record_ratios=False, **overrides)
         ends, tokens, sampling = [], [], []
 
         def on_cycle(state, control):
@@ -351,16 +351,19 @@ def bench_trl(cfg: g.Config, start: str, device, budget: float) -> dict:
 
     cycles, tokens, sampling, _, args = run_cycles(WARM_CYCLES + TIMED_CYCLES)
     stats = cycle_stats(cycles, tokens, sampling)
+    # what a user gets who keeps GRPOConfig's own default, gradient_checkpointing=True
+    checkpointed = cycle_stats(*run_cycles(WARM_CYCLES + TIMED_CYCLES, gradient_checkpointing=True)[:3])
     n = max(1, math.floor(budget / stats["cycle_seconds"]))
     seconds, _, _, acc, _ = run_cycles(n, stop_after=budget)
     return {**stats, "accuracy": acc, "rollouts": len(seconds), "train_seconds": sum(seconds),
-            "grpo_config": args}
+            "grpo_config": args, "cycle_seconds_checkpointing": checkpointed["cycle_seconds"]}
 
 
 def cycle_stats(cycles: list[float], tokens: list[int], sampling: list[float]) -> dict:
     """Medians over the timed cycles, the first WARM_CYCLES discarded."""
     c, t, s = cycles[WARM_CYCLES:], tokens[WARM_CYCLES:], sampling[WARM_CYCLES:]
-    return {"cycle_seconds": statistics.median(c),
+    quartiles = statistics.quantiles(c, n=4)
+    return {"cycle_seconds": statistics.median(c), "cycle_seconds_iqr": [quartiles[0], quartiles[2]],
             "cycle_seconds_all": c,
             "tokens_per_second": statistics.median(n / dt for n, dt in zip(t, c)),
             "sampling_tokens_per_second": statistics.median(n / dt for n, dt in zip(t, s))}
@@ -414,6 +417,8 @@ def bench_main(argv: list[str]) -> int:
     bench = {
         "cycle_seconds_ours": ours["cycle_seconds"], "cycle_seconds_trl": trl_["cycle_seconds"],
         "speedup": trl_["cycle_seconds"] / ours["cycle_seconds"],
+        "cycle_seconds_iqr_ours": ours["cycle_seconds_iqr"], "cycle_seconds_iqr_trl": trl_["cycle_seconds_iqr"],
+        "cycle_seconds_trl_gradient_checkpointing": trl_["cycle_seconds_checkpointing"],
         "tokens_per_second_ours": ours["tokens_per_second"], "tokens_per_second_trl": trl_["tokens_per_second"],
         "sampling_tokens_per_second_ours": ours["sampling_tokens_per_second"],
         "sampling_tokens_per_second_trl": trl_["sampling_tokens_per_second"],
@@ -446,6 +451,8 @@ def print_bench(b: dict) -> None:
     print(f"\n{'':44s} {'ours':>9s} {'TRL ' + b['trl_version']:>11s}")
     for label, key, fmt in rows:
         print(f"{label:44s} {fmt.format(b[key + '_ours']):>9s} {fmt.format(b[key + '_trl']):>11s}")
+    print(f"TRL with GRPOConfig's default gradient_checkpointing=True: "
+          f"{b['cycle_seconds_trl_gradient_checkpointing']:.3f} s per cycle")
     print(f"speedup per cycle (TRL / ours): {b['speedup']:.2f}x | {b['threads']} threads | "
           f"{b['bench_seconds']:.0f} s | {BENCH_DIR}/bench.json")
 
