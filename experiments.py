@@ -345,8 +345,10 @@ def bench_sampler(repeats: int = 15) -> dict:
     for name, r in results.items():
         print(f"{name} model: {res['completions']} completions, up to {cfg.max_new_tokens} tokens, "
               f"{res['threads']} threads, median of {repeats}: hand-written "
-              f"{r['median_seconds_ours'] * 1e3:.1f} ms, generate "
-              f"{r['median_seconds_generate'] * 1e3:.1f} ms (generate / ours = {r['speedup']:.2f})")
+              f"{r['median_seconds_ours'] * 1e3:.1f} ms, the same with each prompt run once per "
+              f"group {r['median_seconds_ours_grouped'] * 1e3:.1f} ms, generate "
+              f"{r['median_seconds_generate'] * 1e3:.1f} ms (generate / ours = {r['speedup']:.2f}, "
+              f"generate / grouped = {r['speedup_grouped']:.2f})")
     return res
 
 
@@ -363,21 +365,26 @@ def time_samplers(model, tok, cfg: g.Config, repeats: int) -> dict:
         return g.sample_completions(model, ids, attn, cfg.max_new_tokens, tok.eos_token_id,
                                     tok.pad_token_id, 1.0)
 
+    def ours_grouped():                  # as rollouts call it: each prompt run once per group
+        return g.sample_completions(model, ids, attn, cfg.max_new_tokens, tok.eos_token_id,
+                                    tok.pad_token_id, 1.0, group_size=cfg.group_size)
+
     def theirs():
         with torch.no_grad():
             return model.generate(input_ids=ids, attention_mask=attn, generation_config=gen_cfg)
 
-    times = {"ours": [], "generate": []}
-    for fn in (ours, theirs):
+    samplers = {"ours": ours, "ours_grouped": ours_grouped, "generate": theirs}
+    times = {name: [] for name in samplers}
+    for fn in samplers.values():
         fn()                                                              # warm-up
     for _ in range(repeats):                                              # interleaved
-        for fn, name in ((ours, "ours"), (theirs, "generate")):
+        for name, fn in samplers.items():
             t = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - t)
-    res = {"median_seconds_ours": statistics.median(times["ours"]),
-           "median_seconds_generate": statistics.median(times["generate"])}
+    res = {f"median_seconds_{name}": statistics.median(t) for name, t in times.items()}
     res["speedup"] = res["median_seconds_generate"] / res["median_seconds_ours"]
+    res["speedup_grouped"] = res["median_seconds_generate"] / res["median_seconds_ours_grouped"]
     return res
 
 
@@ -539,7 +546,40 @@ def figures() -> None:
     a2.legend()
     fig.tight_layout()
     fig.savefig(os.path.join(FIG_DIR, "moe_routing.png"), dpi=120)
-    print(f"figures written to {FIG_DIR}/ in {time.perf_counter() - t0:.0f} s")
+    summary = figure_summary()
+    summary["figures_seconds"] = time.perf_counter() - t0
+    with open(os.path.join(FIG_RUNS, "figures.json"), "w") as f:
+        json.dump(summary, f, indent=2)
+    for group, r in summary["test_accuracy"].items():
+        print(f"{group:10s} test accuracy after {FIG_STEPS} RL steps: median {r['median']:.3f} "
+              f"(seeds {', '.join(f'{a:.3f}' for a in r['seeds'])})")
+    for loss, r in summary["clip_tokens"].items():
+        print(f"{loss:10s} clip fraction per token, median of 3 seeds: steps 1-{FIG_STEPS // 2} "
+              f"{r['first_half']:.3f}, steps {FIG_STEPS // 2 + 1}-{FIG_STEPS} {r['second_half']:.3f}")
+    print(f"figures written to {FIG_DIR}/, numbers to {FIG_RUNS}/figures.json, "
+          f"in {summary['figures_seconds']:.0f} s")
+
+
+def figure_summary() -> dict:
+    """The numbers tutorial.md quotes from the figure runs: final test accuracy of every run, and
+    the clip fraction of the dense runs over the first and second half of training."""
+    import numpy as np
+    groups = {**{loss: loss for loss in STYLE}, "moe_gspo": "moe_gspo", "moe_grpo": "moe_grpo"}
+    accuracy = {}
+    for group, prefix in groups.items():
+        seeds = []
+        for s in SEEDS:
+            with open(os.path.join(FIG_RUNS, f"{prefix}_s{s}", "summary.json")) as f:
+                seeds.append(json.load(f)["accuracy_after_rl"])
+        accuracy[group] = {"median": float(np.median(seeds)), "seeds": seeds}
+    clip = {}
+    for loss in ("gspo", "grpo"):
+        per_seed = [[r["clip_tokens"] for r in read_metrics(f"{loss}_s{s}") if r["stage"] == "rl"]
+                    for s in SEEDS]
+        half = FIG_STEPS // 2
+        clip[loss] = {"first_half": float(np.median([np.median(x[:half]) for x in per_seed])),
+                      "second_half": float(np.median([np.median(x[half:]) for x in per_seed]))}
+    return {"steps": FIG_STEPS, "test_accuracy": accuracy, "clip_tokens": clip}
 
 
 if __name__ == "__main__":

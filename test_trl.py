@@ -156,3 +156,22 @@ def test_make_trl_refuses_gspo_token_in_one_line(capsys):
     assert tc.trl_main(["--loss", "gspo-token"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "GSPO-token" in err
+
+
+# --- trl_compare.py: the benchmark's two timed loops (make bench) -------------------------------------
+def test_bench_times_both_sides_and_stops_on_its_budget(tmp_path, monkeypatch):
+    import trl_compare as tc
+    monkeypatch.setattr(tc, "BENCH_DIR", str(tmp_path))
+    torch.manual_seed(0)
+    tok = g.build_char_tokenizer()
+    start = str(tmp_path / "start")
+    g.build_tiny_model(tok).save_pretrained(start)
+    tok.save_pretrained(start)
+    cfg = g.Config(prompts_per_step=4, group_size=4, minibatches=2, test_size=20, val_size=20)
+    for timed_run in (tc.timed_run_ours, tc.timed_run_trl):
+        cycles, tokens, sampling, acc = timed_run(cfg, start, torch.device("cpu"), 3)
+        assert len(cycles) == len(tokens) == len(sampling) == 3
+        assert all(0 < s < c for s, c in zip(sampling, cycles))     # sampling is part of a cycle
+        assert all(16 <= t <= 16 * 6 for t in tokens) and 0 <= acc <= 1
+        cycles, *_ = timed_run(cfg, start, torch.device("cpu"), 3, stop_after=0.0)
+        assert len(cycles) == 1                                     # the budget ends the run

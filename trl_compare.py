@@ -29,6 +29,9 @@ Where the two still differ, each measured or checked in tutorial.md section 11:
   * TRL computes pi_old's log-probs in a separate pass over the rollout, in chunks of
     per_device_train_batch_size; ours reuses the first minibatch's own forward pass for it (so
     s = 1 exactly there) and one no-grad pass for the rest. Same numbers up to float32 round-off.
+  * TRL shuffles single completions into its minibatches; ours are whole groups, so that each
+    prompt is run through the model once per minibatch (gspo_minimal.group_policy_logprobs).
+    The same objective; a different random split, and less work for ours.
 """
 
 from __future__ import annotations
@@ -251,7 +254,8 @@ def trl_main(argv: list[str]) -> int:
           f"device {device} | seed {cfg.seed} | out {cfg.out}", flush=True)
     run = g.Run(cfg.out, t_start)
     summary = train_trl(cfg, model, tokenizer, device, run)
-    print(f"test accuracy: {summary['accuracy_before_rl']} after warm-up -> "
+    before = summary["accuracy_before_rl"]
+    print(f"test accuracy: {'n/a' if before is None else f'{before:.3f}'} after warm-up -> "
           f"{summary['accuracy_after_rl']:.3f} after TRL | {summary['wall_seconds']:.0f} s | "
           f"{run.dir}/summary.json", flush=True)
     return 130 if summary["interrupted"] else 0
@@ -272,7 +276,8 @@ def quiet_libraries():
 # memory), on the same warmed-up weights, model, task, batch, minibatches and threads.
 # ---------------------------------------------------------------------------------------------
 BENCH_DIR = "runs/bench"
-WARM_CYCLES, TIMED_CYCLES = 5, 30
+WARM_CYCLES = 5           # discarded: allocator, thread pool and (TRL) trainer start-up
+CHECKPOINTING_CYCLES = 25
 
 
 def peak_rss_mb() -> float:
@@ -289,78 +294,83 @@ def load_start(path: str, device):
     return AutoModelForCausalLM.from_pretrained(path).to(device), tokenizer
 
 
-def bench_ours(cfg: g.Config, start: str, device, budget: float | None) -> dict:
-    """Timed cycles, then `cfg.steps` rollouts from the same start for the equal-time accuracy."""
+def timed_run_ours(cfg: g.Config, start: str, device, n: int, stop_after: float | None = None):
+    """n rollouts of gspo_minimal's RL step from `start` (run_stages' step without the evaluations).
+    Returns per-cycle seconds, completion tokens and sampling seconds, and the test accuracy."""
     splits = g.make_splits(cfg.task, cfg.test_size, cfg.val_size)
     eps_low, eps_high = g.resolved_eps(cfg)
+    model, tokenizer = load_start(start, device)
+    torch.manual_seed(cfg.seed)
+    rng = random.Random(cfg.seed)
+    opt, sched = g.rl_optimizer(model, dataclasses.replace(cfg, steps=n))
+    ends, tokens, sampling = [time.perf_counter()], [], []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        batch = g.rollout(model, tokenizer,
+                          g.sample_train_problems(splits, cfg.task, cfg.prompts_per_step, rng),
+                          cfg, device)
+        sampling.append(time.perf_counter() - t0)
+        g.rl_update(model, opt, batch, cfg, eps_low, eps_high)
+        sched.step()
+        ends.append(time.perf_counter())
+        tokens.append(int(batch["mask"].sum()))
+        if stop_after is not None and ends[-1] - ends[0] >= stop_after:
+            break
+    acc = g.accuracy(model, tokenizer, cfg.task, splits["test"], cfg.max_new_tokens, device)
+    return [b - a for a, b in zip(ends, ends[1:])], tokens, sampling, acc
 
-    def run_cycles(n: int, stop_after: float | None = None):
-        model, tokenizer = load_start(start, device)
-        torch.manual_seed(cfg.seed)
-        rng = random.Random(cfg.seed)
-        opt, sched = g.rl_optimizer(model, dataclasses.replace(cfg, steps=n))
-        ends, tokens, sampling = [time.perf_counter()], [], []
-        for _ in range(n):                 # exactly gspo_minimal.run_stages' step, without the evals
-            t0 = time.perf_counter()
-            batch = g.rollout(model, tokenizer,
-                              g.sample_train_problems(splits, cfg.task, cfg.prompts_per_step, rng),
-                              cfg, device)
-            sampling.append(time.perf_counter() - t0)
-            g.rl_update(model, opt, batch, cfg, eps_low, eps_high)
-            sched.step()
-            ends.append(time.perf_counter())
-            tokens.append(int(batch["mask"].sum()))
-            if stop_after is not None and ends[-1] - ends[0] >= stop_after:
-                break
-        acc = g.accuracy(model, tokenizer, cfg.task, splits["test"], cfg.max_new_tokens, device)
-        return [b - a for a, b in zip(ends, ends[1:])], tokens, sampling, acc
 
-    cycles, tokens, sampling, _ = run_cycles(WARM_CYCLES + TIMED_CYCLES)
-    seconds, _, _, acc = run_cycles(cfg.steps)
-    return {**cycle_stats(cycles, tokens, sampling), "accuracy": acc, "rollouts": len(seconds),
-            "train_seconds": sum(seconds)}
+def timed_run_trl(cfg: g.Config, start: str, device, n: int, stop_after: float | None = None,
+              **overrides):
+    """The same as timed_run_ours with TRL's GRPOTrainer (its LR schedule sized to n rollouts)."""
+    splits = g.make_splits(cfg.task, cfg.test_size, cfg.val_size)
+    model, tokenizer = load_start(start, device)
+    problems = g.sample_train_problems(splits, cfg.task, n * cfg.prompts_per_step, random.Random(cfg.seed))
+    trainer = build_trainer(cfg, model, tokenizer, problems, n, os.path.join(BENCH_DIR, "trl_output"),
+                            device, record_ratios=False, **overrides)
+    ends, tokens, sampling = [], [], []
+
+    def on_cycle(state, control):
+        ends.append(time.perf_counter())
+        tokens.append(sum(trainer.reward.lengths))
+        sampling.append(trainer.sampling_seconds)
+        trainer.sampling_seconds = 0.0
+        if stop_after is not None and ends[-1] - ends[0] >= stop_after:
+            control.should_training_stop = True
+
+    trainer.add_callback(cycle_callback(cfg, on_cycle))
+    ends.append(time.perf_counter())  # the first cycle also holds trainer start-up: discarded
+    trainer.train()
+    acc = g.accuracy(model, tokenizer, cfg.task, splits["test"], cfg.max_new_tokens, device)
+    return [b - a for a, b in zip(ends, ends[1:])], tokens, sampling, acc
+
+
+def bench_ours(cfg: g.Config, start: str, device, budget: float) -> dict:
+    """The default run's 500 rollouts: its cycles, and its accuracy (the equal-time reference)."""
+    cycles, tokens, sampling, acc = timed_run_ours(cfg, start, device, cfg.steps)
+    return {**cycle_stats(cycles, tokens, sampling), "accuracy": acc, "rollouts": len(cycles),
+            "train_seconds": sum(cycles)}
 
 
 def bench_trl(cfg: g.Config, start: str, device, budget: float) -> dict:
-    """Timed cycles, then as many rollouts as fit in `budget` seconds (its LR schedule sized to end
-    there: TRL at its best), from the same start, for the equal-time accuracy."""
-    splits = g.make_splits(cfg.task, cfg.test_size, cfg.val_size)
-
-    def run_cycles(n: int, stop_after: float | None = None, **overrides):
-        model, tokenizer = load_start(start, device)
-        rng = random.Random(cfg.seed)
-        problems = g.sample_train_problems(splits, cfg.task, n * cfg.prompts_per_step, rng)
-        trainer = build_trainer(cfg, model, tokenizer, problems, n, os.path.join(BENCH_DIR, "trl_output"),
-                                device, record_ratios=False, **overrides)
-        ends, tokens, sampling = [], [], []
-
-        def on_cycle(state, control):
-            ends.append(time.perf_counter())
-            tokens.append(sum(trainer.reward.lengths))
-            sampling.append(trainer.sampling_seconds)
-            trainer.sampling_seconds = 0.0
-            if stop_after is not None and ends[-1] - ends[0] >= stop_after:
-                control.should_training_stop = True
-
-        trainer.add_callback(cycle_callback(cfg, on_cycle))
-        t_begin = time.perf_counter()
-        trainer.train()
-        ends.insert(0, t_begin)     # the first cycle also holds TRL's start-up: a warm-up cycle
-        acc = g.accuracy(model, tokenizer, cfg.task, splits["test"], cfg.max_new_tokens, device)
-        return [b - a for a, b in zip(ends, ends[1:])], tokens, sampling, acc, trainer.args.to_dict()
-
-    cycles, tokens, sampling, _, args = run_cycles(WARM_CYCLES + TIMED_CYCLES)
+    """The same 500 rollouts in TRL (cycles, accuracy at equal steps); then a fresh start given
+    `budget` seconds, its LR schedule sized to the rollouts that fit (TRL at its best), for the
+    accuracy at equal wall time; then GRPOConfig's default gradient checkpointing, timed."""
+    cycles, tokens, sampling, acc_steps = timed_run_trl(cfg, start, device, cfg.steps)
     stats = cycle_stats(cycles, tokens, sampling)
-    # what a user gets who keeps GRPOConfig's own default, gradient_checkpointing=True
-    checkpointed = cycle_stats(*run_cycles(WARM_CYCLES + TIMED_CYCLES, gradient_checkpointing=True)[:3])
-    n = max(1, math.floor(budget / stats["cycle_seconds"]))
-    seconds, _, _, acc, _ = run_cycles(n, stop_after=budget)
-    return {**stats, "accuracy": acc, "rollouts": len(seconds), "train_seconds": sum(seconds),
-            "grpo_config": args, "cycle_seconds_checkpointing": checkpointed["cycle_seconds"]}
+    n = max(1, math.floor(budget / statistics.mean(cycles[WARM_CYCLES:])))
+    timed, _, _, acc = timed_run_trl(cfg, start, device, n, stop_after=budget)
+    ckpt = timed_run_trl(cfg, start, device, CHECKPOINTING_CYCLES, gradient_checkpointing=True)[0]
+    return {**stats, "accuracy": acc, "rollouts": len(timed), "train_seconds": sum(timed),
+            "accuracy_equal_rollouts": acc_steps,
+            "cycle_seconds_checkpointing": statistics.median(ckpt[WARM_CYCLES:]),
+            "cycle_seconds_same_cycles": statistics.median(cycles[WARM_CYCLES:CHECKPOINTING_CYCLES]),
+            "grpo_config": grpo_config(cfg, cfg.steps, os.path.join(BENCH_DIR, "trl_output"),
+                                       device).to_dict()}
 
 
 def cycle_stats(cycles: list[float], tokens: list[int], sampling: list[float]) -> dict:
-    """Medians over the timed cycles, the first WARM_CYCLES discarded."""
+    """Medians over the cycles of a run, the first WARM_CYCLES discarded."""
     c, t, s = cycles[WARM_CYCLES:], tokens[WARM_CYCLES:], sampling[WARM_CYCLES:]
     quartiles = statistics.quantiles(c, n=4)
     return {"cycle_seconds": statistics.median(c), "cycle_seconds_iqr": [quartiles[0], quartiles[2]],
@@ -405,8 +415,9 @@ def bench_main(argv: list[str]) -> int:
     results = {}
     budget = "0"
     for side in ("ours", "trl"):
-        print(f"{side}: {WARM_CYCLES} warm-up + {TIMED_CYCLES} timed cycles, then training for "
-              f"{'500 rollouts' if side == 'ours' else f'{float(budget):.0f} s'}", flush=True)
+        print(f"{side}: 500 rollouts" + (f", then {float(budget):.0f} s of training, then "
+              f"{CHECKPOINTING_CYCLES} rollouts with gradient checkpointing" if side == "trl" else ""),
+              flush=True)
         out = os.path.join(BENCH_DIR, f"{side}.json")
         subprocess.run([sys.executable, __file__, "_side", side, start, budget, str(threads), out],
                        check=True)
@@ -419,6 +430,8 @@ def bench_main(argv: list[str]) -> int:
         "speedup": trl_["cycle_seconds"] / ours["cycle_seconds"],
         "cycle_seconds_iqr_ours": ours["cycle_seconds_iqr"], "cycle_seconds_iqr_trl": trl_["cycle_seconds_iqr"],
         "cycle_seconds_trl_gradient_checkpointing": trl_["cycle_seconds_checkpointing"],
+        "cycle_seconds_trl_same_cycles_without": trl_["cycle_seconds_same_cycles"],
+        "accuracy_trl_equal_rollouts": trl_["accuracy_equal_rollouts"],
         "tokens_per_second_ours": ours["tokens_per_second"], "tokens_per_second_trl": trl_["tokens_per_second"],
         "sampling_tokens_per_second_ours": ours["sampling_tokens_per_second"],
         "sampling_tokens_per_second_trl": trl_["sampling_tokens_per_second"],
@@ -429,7 +442,7 @@ def bench_main(argv: list[str]) -> int:
         "peak_rss_mb_ours": ours["peak_rss_mb"], "peak_rss_mb_trl": trl_["peak_rss_mb"],
         "trl_version": trl.__version__, "transformers_version": transformers.__version__,
         "torch_version": torch.__version__, "threads": threads,
-        "warm_cycles_discarded": WARM_CYCLES, "timed_cycles": TIMED_CYCLES,
+        "warm_cycles_discarded": WARM_CYCLES,
         "cycle_seconds_all_ours": ours["cycle_seconds_all"], "cycle_seconds_all_trl": trl_["cycle_seconds_all"],
         "config": {"ours": vars(g.Config(threads=threads)) | {"weight_decay": 0.01},
                    "trl": trl_["grpo_config"]},
@@ -451,8 +464,11 @@ def print_bench(b: dict) -> None:
     print(f"\n{'':44s} {'ours':>9s} {'TRL ' + b['trl_version']:>11s}")
     for label, key, fmt in rows:
         print(f"{label:44s} {fmt.format(b[key + '_ours']):>9s} {fmt.format(b[key + '_trl']):>11s}")
+    print(f"TRL after 500 rollouts (equal steps): test accuracy {b['accuracy_trl_equal_rollouts']:.3f}")
     print(f"TRL with GRPOConfig's default gradient_checkpointing=True: "
-          f"{b['cycle_seconds_trl_gradient_checkpointing']:.3f} s per cycle")
+          f"{b['cycle_seconds_trl_gradient_checkpointing']:.3f} s per cycle against "
+          f"{b['cycle_seconds_trl_same_cycles_without']:.3f} s without (cycles {WARM_CYCLES + 1}-"
+          f"{CHECKPOINTING_CYCLES})")
     print(f"speedup per cycle (TRL / ours): {b['speedup']:.2f}x | {b['threads']} threads | "
           f"{b['bench_seconds']:.0f} s | {BENCH_DIR}/bench.json")
 
