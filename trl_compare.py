@@ -220,7 +220,8 @@ def train_trl(cfg: g.Config, model, tokenizer, device, run: g.Run) -> dict:
                     control.should_training_stop = True
 
             trainer.add_callback(cycle_callback(cfg, on_cycle))
-            trainer.train()
+            if not stop.requested:                     # Ctrl-C during the warm-up: no RL at all
+                trainer.train()
         except KeyboardInterrupt:                      # the second Ctrl-C: stop where we are
             pass
         summary["interrupted"] = stop.requested
