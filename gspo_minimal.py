@@ -622,8 +622,7 @@ def rl_update(model, opt, batch: dict, cfg: Config, eps_low: float, eps_high: fl
     update. Every later chunk is off-policy.
     """
     loss_fn, G = LOSS_FNS[cfg.loss], cfg.group_size
-    B = len(batch["rewards"])
-    chunks = group_chunks(B, G, cfg.minibatches, batch["rewards"].device)
+    chunks = group_chunks(len(batch["rewards"]), G, cfg.minibatches, batch["rewards"].device)
 
     def logprobs(idx):                                                   # (len(idx), T)
         return group_policy_logprobs(model, batch["prompt_ids"][idx], batch["prompt_mask"][idx],
@@ -631,7 +630,7 @@ def rl_update(model, opt, batch: dict, cfg: Config, eps_low: float, eps_high: fl
     with torch.no_grad():                      # pi_old of chunks 2, 3, ... in one pass, before any update
         later = (logprobs(torch.cat(chunks[1:])).split([len(c) for c in chunks[1:]])
                  if len(chunks) > 1 else [])
-    seen = {"s": [], "form_gap": 0.0, "clipped_tokens": 0, "tokens": 0, "clipped_seqs": 0, "loss": 0.0}
+    logs = []
     for k, idx in enumerate(chunks):
         logp_new = logprobs(idx)
         logp_old = logp_new.detach() if k == 0 else later[k - 1]    # chunk 1: nothing has changed yet
@@ -642,16 +641,20 @@ def rl_update(model, opt, batch: dict, cfg: Config, eps_low: float, eps_high: fl
         if cfg.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
         opt.step()
-        m = ratio_metrics(logp_new.detach(), logp_old, adv, mask, cfg.loss, eps_low, eps_high)
-        seen["s"].append(m.pop("s"))
-        seen["form_gap"] = max(seen["form_gap"], m.pop("form_gap"))
-        for k, v in m.items():
-            seen[k] += v
-        seen["loss"] += loss.item() / cfg.minibatches
-    s = torch.cat(seen["s"])
-    return {"loss": seen["loss"], "s_mean": s.mean().item(), "s_min": s.min().item(),
-            "s_max": s.max().item(), "clip_tokens": seen["clipped_tokens"] / max(seen["tokens"], 1),
-            "clip_seqs": seen["clipped_seqs"] / B, "form_gap": seen["form_gap"]}
+        logs.append({**ratio_metrics(logp_new.detach(), logp_old, adv, mask, cfg.loss, eps_low,
+                                     eps_high), "loss": loss.item()})
+    return summarise_minibatches(logs)
+
+
+def summarise_minibatches(logs: list[dict]) -> dict:
+    """One step's log from its minibatches' `ratio_metrics`, each with its "loss"."""
+    s = torch.cat([m["s"] for m in logs])                                  # (B,)
+    tokens = sum(m["tokens"] for m in logs)
+    return {"loss": sum(m["loss"] for m in logs) / len(logs), "s_mean": s.mean().item(),
+            "s_min": s.min().item(), "s_max": s.max().item(),
+            "clip_tokens": sum(m["clipped_tokens"] for m in logs) / max(tokens, 1),
+            "clip_seqs": sum(m["clipped_seqs"] for m in logs) / len(s),
+            "form_gap": max(m["form_gap"] for m in logs)}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -758,8 +761,12 @@ def rl_optimizer(model, cfg: Config):
     return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 1 - i / cfg.steps)
 
 
-def train(cfg: Config, model, tokenizer, device, run: Run) -> dict:
-    """Warm-up, then GSPO. Returns summary.json's contents; Ctrl-C ends it cleanly."""
+def train(cfg: Config, model, tokenizer, device, run: Run, stages=None) -> dict:
+    """Warm-up, then GSPO. Returns summary.json's contents; Ctrl-C ends it cleanly.
+
+    `stages` (default `run_stages`) does the training; trl_compare.py passes one whose RL steps
+    are TRL's, and everything around it (summary, Ctrl-C, final checkpoint, test) stays the same.
+    """
     splits = make_splits(cfg.task, cfg.test_size, cfg.val_size)
     eps_low, eps_high = resolved_eps(cfg)
     summary = {"seed": cfg.seed, "loss": cfg.loss, "eps_low": eps_low, "eps_high": eps_high,
@@ -767,7 +774,7 @@ def train(cfg: Config, model, tokenizer, device, run: Run) -> dict:
                "rl_seconds": 0.0, "config": dataclasses.asdict(cfg)}
     with GracefulStop() as stop:
         try:
-            run_stages(cfg, model, tokenizer, device, run, splits, summary, stop)
+            (stages or run_stages)(cfg, model, tokenizer, device, run, splits, summary, stop)
         except KeyboardInterrupt:                     # the second Ctrl-C: stop where we are
             pass
         summary["interrupted"] = stop.requested
@@ -786,12 +793,7 @@ def run_stages(cfg: Config, model, tokenizer, device, run: Run, splits, summary:
     """The warm-up, the first checkpoint, then the GSPO steps; progress is recorded in `summary`."""
     rng = random.Random(cfg.seed)
     eps_low, eps_high = summary["eps_low"], summary["eps_high"]
-    summary["warmup_steps"] = warmup(model, tokenizer, splits, cfg, device, rng, run, stop)
-    summary["accuracy_before_rl"] = accuracy(model, tokenizer, cfg.task, splits["test"],
-                                             cfg.max_new_tokens, device)
-    run.checkpoint(model, tokenizer)
-    print(f"warm-up done after {summary['warmup_steps']} steps | "
-          f"test acc {summary['accuracy_before_rl']:.3f}", flush=True)
+    warmup_stage(cfg, model, tokenizer, device, run, splits, summary, stop, rng)
     opt, sched = rl_optimizer(model, cfg)
     for step in range(1, cfg.steps + 1):
         if stop.requested:
@@ -807,16 +809,35 @@ def run_stages(cfg: Config, model, tokenizer, device, run: Run, splits, summary:
                  zero_spread=(batch["advantages"].reshape(-1, cfg.group_size) == 0).all(1)
                  .float().mean().item(),
                  resp_len=n_tok / len(batch["rewards"]))
-        if step % cfg.eval_every == 0 or step == cfg.steps:
-            m["val_acc"] = accuracy(model, tokenizer, cfg.task, splits["val"],
-                                    cfg.max_new_tokens, device)
-            run.checkpoint(model, tokenizer)
-        dt = time.perf_counter() - t0
-        m.update(tok_per_s=n_tok / dt, step_seconds=dt)
-        summary["rl_steps"] = step
-        summary["rl_tokens"] += n_tok
-        summary["rl_seconds"] += dt
-        run.log({"stage": "rl", "step": step, **m}, progress_line(step, cfg, m))
+        finish_rl_step(step, m, n_tok, t0, cfg, model, tokenizer, device, run, splits, summary)
+
+
+def warmup_stage(cfg: Config, model, tokenizer, device, run: Run, splits, summary: dict, stop,
+                 rng: random.Random) -> None:
+    """The warm-up, the test accuracy it reaches, and the first checkpoint."""
+    summary["warmup_steps"] = warmup(model, tokenizer, splits, cfg, device, rng, run, stop)
+    summary["accuracy_before_rl"] = accuracy(model, tokenizer, cfg.task, splits["test"],
+                                             cfg.max_new_tokens, device)
+    run.checkpoint(model, tokenizer)
+    print(f"warm-up done after {summary['warmup_steps']} steps | "
+          f"test acc {summary['accuracy_before_rl']:.3f}", flush=True)
+
+
+def finish_rl_step(step: int, m: dict, n_tok: int, t0: float, cfg: Config, model, tokenizer,
+                   device, run: Run, splits, summary: dict) -> float:
+    """Evaluate and checkpoint every `eval_every` steps, then log the step (begun at t0) and add
+    it to `summary`. Returns the time it ended."""
+    if step % cfg.eval_every == 0 or step == cfg.steps:
+        m["val_acc"] = accuracy(model, tokenizer, cfg.task, splits["val"], cfg.max_new_tokens, device)
+        run.checkpoint(model, tokenizer)
+    now = time.perf_counter()
+    dt = now - t0
+    m.update(tok_per_s=n_tok / dt, step_seconds=dt)
+    summary["rl_steps"] = step
+    summary["rl_tokens"] += n_tok
+    summary["rl_seconds"] += dt
+    run.log({"stage": "rl", "step": step, **m}, progress_line(step, cfg, m))
+    return now
 
 
 # ---------------------------------------------------------------------------------------------
@@ -916,22 +937,31 @@ def main(argv: list[str] | None = None) -> int:
     except BadInput as err:
         print(f"gspo_minimal.py: error: {err}", file=sys.stderr)
         return 2
+    device, model, tokenizer = prepare(cfg)
+    n_params = sum(p.numel() for p in model.parameters())
+    print(f"{cfg.loss} | {type(model).__name__} {n_params / 1e6:.2f}M params | {cfg.task} | "
+          f"device {device} | seed {cfg.seed} | out {cfg.out}", flush=True)
+    run = Run(cfg.out, t_start)
+    return finish(train(cfg, model, tokenizer, device, run), run)
+
+
+def prepare(cfg: Config):
+    """Threads, seed and device, then the model and tokenizer: how every run begins."""
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     from transformers.utils import logging as hf_logging
     hf_logging.disable_progress_bar()       # no "Writing model shards" bar at every checkpoint
     torch.manual_seed(cfg.seed)
     device = pick_device(cfg)
-    model, tokenizer = build(cfg, device)
-    n_params = sum(p.numel() for p in model.parameters())
-    print(f"{cfg.loss} | {type(model).__name__} {n_params / 1e6:.2f}M params | {cfg.task} | "
-          f"device {device} | seed {cfg.seed} | out {cfg.out}", flush=True)
-    run = Run(cfg.out, t_start)
-    summary = train(cfg, model, tokenizer, device, run)
+    return (device, *build(cfg, device))
+
+
+def finish(summary: dict, run: Run, trained_by: str = "RL") -> int:
+    """The run's last line, and its exit code: 130 when Ctrl-C ended it."""
     before = summary["accuracy_before_rl"]
     print(f"test accuracy: {'n/a' if before is None else f'{before:.3f}'} after warm-up -> "
-          f"{summary['accuracy_after_rl']:.3f} after RL | {summary['wall_seconds']:.0f} s | "
-          f"{run.dir}/summary.json", flush=True)
+          f"{summary['accuracy_after_rl']:.3f} after {trained_by} | "
+          f"{summary['wall_seconds']:.0f} s | {run.dir}/summary.json", flush=True)
     return 130 if summary["interrupted"] else 0
 
 

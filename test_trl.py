@@ -151,11 +151,16 @@ def test_make_trl_writes_the_same_metrics_and_summary_fields_as_our_loop(tmp_pat
     assert "after TRL" in capsys.readouterr().out
 
 
-def test_make_trl_refuses_gspo_token_in_one_line(capsys):
+def test_make_trl_refuses_what_grpo_config_cannot_express_in_one_line(capsys):
     import trl_compare as tc
     assert tc.trl_main(["--loss", "gspo-token"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "GSPO-token" in err
+    # 3 x 3 completions cannot split into 2 equal minibatches: refused before the warm-up starts
+    assert tc.trl_main(["--prompts-per-step", "3", "--group-size", "3", "--minibatches", "2"]) == 2
+    captured = capsys.readouterr()
+    assert captured.err.strip().count("\n") == 0 and "equal parts" in captured.err
+    assert "warm-up" not in captured.out
 
 
 # --- trl_compare.py: the benchmark's two timed loops (make bench) -------------------------------------

@@ -58,11 +58,8 @@ def grpo_config(cfg: g.Config, rollouts: int, out: str, device: torch.device, **
     """The GRPOConfig that runs `rollouts` GSPO steps of `cfg` (see the module docstring)."""
     from trl import GRPOConfig
 
-    if cfg.loss == "gspo-token":
-        raise g.BadInput("TRL has no GSPO-token objective; use --loss gspo or --loss grpo")
+    check_trl_can_run(cfg)
     rollout_size = cfg.prompts_per_step * cfg.group_size
-    if rollout_size % cfg.minibatches:
-        raise g.BadInput("prompts-per-step x group-size must divide into --minibatches equal parts")
     eps_low, eps_high = g.resolved_eps(cfg)
     return GRPOConfig(**dict(
         output_dir=out, seed=cfg.seed, use_cpu=device.type == "cpu",
@@ -85,6 +82,14 @@ def grpo_config(cfg: g.Config, rollouts: int, out: str, device: torch.device, **
         report_to="none", logging_strategy="no", save_strategy="no", disable_tqdm=True,
         log_completions=False, remove_unused_columns=False, dataloader_num_workers=0,
     ) | overrides)
+
+
+def check_trl_can_run(cfg: g.Config) -> None:
+    """BadInput for a Config that GRPOConfig cannot express."""
+    if cfg.loss == "gspo-token":
+        raise g.BadInput("TRL has no GSPO-token objective; use --loss gspo or --loss grpo")
+    if cfg.prompts_per_step * cfg.group_size % cfg.minibatches:
+        raise g.BadInput("prompts-per-step x group-size must divide into --minibatches equal parts")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -149,19 +154,15 @@ def build_trainer(cfg: g.Config, model, tokenizer, problems, rollouts: int, out:
     return trainer
 
 
-def rollout_record(trainer, cfg: g.Config) -> dict:
-    """One metrics.jsonl record per rollout, with gspo_minimal's keys, from what TRL computed."""
+def rollout_record(trainer, cfg: g.Config) -> tuple[dict, int]:
+    """One metrics.jsonl record per rollout, with gspo_minimal's keys, from what TRL computed;
+    and the rollout's completion tokens."""
     logs, trainer.minibatch_log = trainer.minibatch_log, []
     rewards = torch.tensor(trainer.reward.rewards)
-    s = torch.cat([m["s"] for m in logs])
     tokens = sum(m["tokens"] for m in logs)
-    return {"loss": sum(m["loss"] for m in logs) / len(logs), "s_mean": s.mean().item(),
-            "s_min": s.min().item(), "s_max": s.max().item(),
-            "clip_tokens": sum(m["clipped_tokens"] for m in logs) / max(tokens, 1),
-            "clip_seqs": sum(m["clipped_seqs"] for m in logs) / len(s),
-            "form_gap": max(m["form_gap"] for m in logs), "reward": rewards.mean().item(),
+    return {**g.summarise_minibatches(logs), "reward": rewards.mean().item(),
             "zero_spread": (rewards.reshape(-1, cfg.group_size).std(1) == 0).float().mean().item(),
-            "resp_len": tokens / len(s)}
+            "resp_len": tokens / len(rewards)}, tokens
 
 
 def cycle_callback(cfg: g.Config, on_cycle):
@@ -178,60 +179,29 @@ def cycle_callback(cfg: g.Config, on_cycle):
 # ---------------------------------------------------------------------------------------------
 # make trl: gspo_minimal's default run, with TRL doing the RL steps.
 # ---------------------------------------------------------------------------------------------
-def train_trl(cfg: g.Config, model, tokenizer, device, run: g.Run) -> dict:
-    """Warm-up (gspo_minimal's), then `cfg.steps` rollouts in TRL. Same summary.json as g.train."""
-    splits = g.make_splits(cfg.task, cfg.test_size, cfg.val_size)
-    eps_low, eps_high = g.resolved_eps(cfg)
-    summary = {"seed": cfg.seed, "loss": cfg.loss, "eps_low": eps_low, "eps_high": eps_high,
-               "accuracy_before_rl": None, "interrupted": False, "rl_steps": 0, "rl_tokens": 0,
-               "rl_seconds": 0.0, "trainer": "trl.GRPOTrainer", "config": vars(cfg).copy()}
+def trl_stages(cfg: g.Config, model, tokenizer, device, run: g.Run, splits, summary: dict,
+               stop) -> None:
+    """gspo_minimal's warm-up, then `cfg.steps` rollouts in TRL: the `stages` of gspo_minimal.train,
+    which does the rest (summary.json, Ctrl-C, final checkpoint and test) as for our own loop."""
     rng = random.Random(cfg.seed)
-    with g.GracefulStop() as stop:
-        try:
-            summary["warmup_steps"] = g.warmup(model, tokenizer, splits, cfg, device, rng, run, stop)
-            summary["accuracy_before_rl"] = g.accuracy(model, tokenizer, cfg.task, splits["test"],
-                                                       cfg.max_new_tokens, device)
-            run.checkpoint(model, tokenizer)
-            print(f"warm-up done after {summary['warmup_steps']} steps | "
-                  f"test acc {summary['accuracy_before_rl']:.3f}", flush=True)
-            # the prompts our loop would draw, step after step, from the same generator
-            problems = g.sample_train_problems(splits, cfg.task, cfg.steps * cfg.prompts_per_step, rng)
-            trainer = build_trainer(cfg, model, tokenizer, problems, cfg.steps,
-                                    os.path.join(run.dir, "trl_output"), device)
-            summary["trl_config"] = trainer.args.to_dict()
-            last = [time.perf_counter()]
+    g.warmup_stage(cfg, model, tokenizer, device, run, splits, summary, stop, rng)
+    # the prompts our loop would draw, step after step, from the same generator
+    problems = g.sample_train_problems(splits, cfg.task, cfg.steps * cfg.prompts_per_step, rng)
+    trainer = build_trainer(cfg, model, tokenizer, problems, cfg.steps,
+                            os.path.join(run.dir, "trl_output"), device)
+    summary.update(trainer="trl.GRPOTrainer", trl_config=trainer.args.to_dict())
+    last = [time.perf_counter()]
 
-            def on_cycle(state, control):
-                step = state.global_step // cfg.minibatches
-                m = rollout_record(trainer, cfg)
-                if step % cfg.eval_every == 0 or step == cfg.steps:
-                    m["val_acc"] = g.accuracy(model, tokenizer, cfg.task, splits["val"],
-                                              cfg.max_new_tokens, device)
-                    run.checkpoint(model, tokenizer)
-                now = time.perf_counter()
-                dt, last[0] = now - last[0], now
-                n_tok = round(m["resp_len"] * cfg.prompts_per_step * cfg.group_size)
-                m.update(tok_per_s=n_tok / dt, step_seconds=dt)
-                summary["rl_steps"] = step
-                summary["rl_tokens"] += n_tok
-                summary["rl_seconds"] += dt
-                run.log({"stage": "rl", "step": step, **m}, g.progress_line(step, cfg, m))
-                if stop.requested:
-                    control.should_training_stop = True
+    def on_cycle(state, control):
+        m, n_tok = rollout_record(trainer, cfg)
+        last[0] = g.finish_rl_step(state.global_step // cfg.minibatches, m, n_tok, last[0], cfg,
+                                   model, tokenizer, device, run, splits, summary)
+        if stop.requested:
+            control.should_training_stop = True
 
-            trainer.add_callback(cycle_callback(cfg, on_cycle))
-            if not stop.requested:                     # Ctrl-C during the warm-up: no RL at all
-                trainer.train()
-        except KeyboardInterrupt:                      # the second Ctrl-C: stop where we are
-            pass
-        summary["interrupted"] = stop.requested
-        run.checkpoint(model, tokenizer)
-        summary["accuracy_after_rl"] = g.accuracy(model, tokenizer, cfg.task, splits["test"],
-                                                  cfg.max_new_tokens, device)
-    summary["rl_tokens_per_second"] = summary["rl_tokens"] / max(summary["rl_seconds"], 1e-9)
-    summary["wall_seconds"] = time.perf_counter() - run.t_start
-    run.write_summary(summary)
-    return summary
+    trainer.add_callback(cycle_callback(cfg, on_cycle))
+    if not stop.requested:                     # Ctrl-C during the warm-up: no RL at all
+        trainer.train()
 
 
 def trl_main(argv: list[str]) -> int:
@@ -239,27 +209,17 @@ def trl_main(argv: list[str]) -> int:
     t_start = time.perf_counter()
     try:
         cfg = g.parse_config(["--out", "runs/trl", *argv])
-        if cfg.loss == "gspo-token":
-            raise g.BadInput("TRL has no GSPO-token objective; use --loss gspo or --loss grpo")
+        check_trl_can_run(cfg)
     except g.BadInput as err:
         print(f"trl_compare.py: error: {err}", file=sys.stderr)
         return 2
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
     quiet_libraries()
-    torch.manual_seed(cfg.seed)
-    device = g.pick_device(cfg)
-    model, tokenizer = g.build(cfg, device)
+    device, model, tokenizer = g.prepare(cfg)
     import trl
     print(f"TRL {trl.__version__} GRPOTrainer as {cfg.loss} | {type(model).__name__} | {cfg.task} | "
           f"device {device} | seed {cfg.seed} | out {cfg.out}", flush=True)
     run = g.Run(cfg.out, t_start)
-    summary = train_trl(cfg, model, tokenizer, device, run)
-    before = summary["accuracy_before_rl"]
-    print(f"test accuracy: {'n/a' if before is None else f'{before:.3f}'} after warm-up -> "
-          f"{summary['accuracy_after_rl']:.3f} after TRL | {summary['wall_seconds']:.0f} s | "
-          f"{run.dir}/summary.json", flush=True)
-    return 130 if summary["interrupted"] else 0
+    return g.finish(g.train(cfg, model, tokenizer, device, run, stages=trl_stages), run, "TRL")
 
 
 def quiet_libraries():
