@@ -38,7 +38,7 @@ bench: $(VENV)/.installed-trl  ## ours against TRL, same cycle, side by side: ru
 verify: $(STAMP)  ## the papers' predictions measured on runs/train (trains first if missing)
 	$(PY) experiments.py verify
 
-figures: $(STAMP)  ## the runs the plots need, then the PNGs in figures/ (about 30 min on 2 cores)
+figures: $(STAMP)  ## the runs the plots need, then the PNGs in figures/ (about 17 min on 2 cores)
 	$(PY) experiments.py figures
 
 clean:  ## removes runs/ and .venv, never figures/

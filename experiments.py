@@ -3,13 +3,19 @@
     python experiments.py verify     # `make verify`: writes runs/verify/verify.json, prints a table
     python experiments.py figures    # `make figures`: the runs the plots need, PNGs into figures/
     python experiments.py sampler    # hand-written KV-cached sampler against transformers' generate
+    python experiments.py metrics [RUN_FOLDER]   # range and median of every logged metric of a run
 
 Everything here imports gspo_minimal and adds no training logic of its own: the updates measured are
-`gspo_minimal.rl_update` at the script's defaults, the log-probs are `gspo_minimal.policy_logprobs`.
+`gspo_minimal.rl_update` with the script's own optimiser (`rl_optimizer`) at its defaults, the
+log-probs are `gspo_minimal.policy_logprobs`, the three forms' check is `gspo_minimal.form_gap`.
+The measurement helpers below (per-position variance with bootstrap intervals, branching GSPO and
+GRPO from one run state, the JSON writer) are written once and shared by every target.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
+import copy
 import functools
 import json
 import math
@@ -32,21 +38,28 @@ FIG_DIR = "figures"
 # ---------------------------------------------------------------------------------------------
 # Shared helpers: load the trained checkpoint, sample rollouts, take one real update.
 # ---------------------------------------------------------------------------------------------
+DEFAULTS = g.Config()
+
+
 def load_checkpoint(path: str = os.path.join(TRAIN_DIR, "checkpoint")):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    """gspo_minimal.load_pretrained on a checkpoint; `make train` first when it is missing."""
     if not os.path.isdir(path):
         print(f"no checkpoint at {path}: running `make train` first", flush=True)
         subprocess.run([sys.executable, "gspo_minimal.py", "--out", TRAIN_DIR], check=True)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    tok = AutoTokenizer.from_pretrained(path)
-    tok.padding_side = "left"
-    return model, tok
+    return g.load_pretrained(path)
+
+
+def write_json(path: str, data: dict, command: str, seconds: float) -> None:
+    """A result file with the keys every JSON of the project carries (gspo_minimal.provenance)."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w") as f:
+        json.dump({**g.provenance(command, seconds), **data}, f, indent=2)
 
 
 @functools.cache
 def splits(task: str = "add2") -> dict:
     """The script's fixed test / validation split, drawn once: training problems avoid both."""
-    return g.make_splits(task, 500, 300)
+    return g.make_splits(task, DEFAULTS.test_size, DEFAULTS.val_size)
 
 
 def problems(n: int, rng: random.Random, task: str = "add2"):
@@ -60,12 +73,13 @@ def one_update(model, tok, cfg: g.Config, rng: random.Random, opt) -> dict:
 
 
 def warm_optimizer(model, tok, cfg: g.Config, rng: random.Random, steps: int = 5):
-    """AdamW after a few real GSPO steps. A fresh AdamW's first step moves every weight by about
-    lr whatever its gradient (m / sqrt(v) = sign(g)), far more than any later step: measuring
-    "one update" with it would exaggerate every ratio. Training never takes that step twice."""
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
+    """The script's optimiser (`rl_optimizer`) after a few real GSPO steps. A fresh AdamW's first
+    step moves every weight by about lr whatever its gradient (m / sqrt(v) = sign(g)), far more
+    than any later step: measuring "one update" with it would exaggerate every ratio."""
+    opt, sched = g.rl_optimizer(model, cfg)
     for _ in range(steps):
         one_update(model, tok, cfg, rng, opt)
+        sched.step()
     return opt
 
 
@@ -96,19 +110,119 @@ def big_rollout(model, tok, n_prompts: int, cfg: g.Config, rng: random.Random) -
             "mask": torch.cat([pad(p["mask"], False) for p in parts])}
 
 
-def max_form_disagreement(new, old, mask) -> float:
-    """Largest relative gap between s and PPL_old/PPL_new or exp(H_old - H_new), over rows."""
-    s = g.importance_ratio(new, old, mask)
-    ppl = g.perplexity(old, mask) / g.perplexity(new, mask)
-    ent = torch.exp(g.cross_entropy(old, mask) - g.cross_entropy(new, mask))
-    return max((ppl / s - 1).abs().max().item(), (ent / s - 1).abs().max().item())
-
-
 def loglog_slope(xs, ys) -> float:
     lx = [math.log(x) for x in xs]
     ly = [math.log(y) for y in ys]
     mx, my = statistics.fmean(lx), statistics.fmean(ly)
     return sum((a - mx) * (b - my) for a, b in zip(lx, ly)) / sum((a - mx) ** 2 for a in lx)
+
+
+# ---------------------------------------------------------------------------------------------
+# Measurement helper: variance of log s against length, per position, with bootstrap intervals.
+# ---------------------------------------------------------------------------------------------
+# With delta_t the per-token log-ratio at position t of a response and log s(L) the mean of the
+# first L of them, over responses:
+#   Var(log s(L)) = (1/L^2) [ sum_{t<L} var_t + 2 sum_{t<u<L} cov_tu ]
+# Uncorrelated tokens leave only the first sum, whatever each position's own variance var_t:
+#   V_uncorrelated(L) = (1/L^2) sum_{t<L} var_t           (equals the measurement at L = 1)
+# which falls as 1/L only when var_t is the same at every position. Comparing the measurement
+# with V_uncorrelated separates the two reasons the curve can flatten: positions whose variance
+# grows (non-stationary text), and correlation between tokens of one response.
+def prefix_log_s(delta: torch.Tensor, lengths) -> torch.Tensor:
+    """(n, L_max) per-token log-ratios -> (n, len(lengths)) log s of each prefix length."""
+    csum = delta.cumsum(-1)
+    return torch.stack([csum[:, L - 1] / L for L in lengths], dim=1)
+
+
+def centred_autocorrelation(delta: torch.Tensor, max_lag: int) -> list[float]:
+    """Correlation of delta_t and delta_{t+k} across responses, each position centred on its own
+    mean and scaled by its own std, averaged over t: drift of the mean along the response does not
+    masquerade as correlation (as it does around one global mean)."""
+    c = delta - delta.mean(0)                                           # (n, L), per position
+    sd = c.std(0).clamp(min=1e-300)
+    z = c / sd
+    return [(z[:, :-k] * z[:, k:]).mean().item() for k in range(1, max_lag + 1)]
+
+
+def variance_profile(delta: torch.Tensor, lengths, n_boot: int = 1000, seed: int = 0) -> dict:
+    """Var(log s) against prefix length with bootstrap 95% intervals (responses resampled) on
+    every point and on the log-log slope; per-position variance and the uncorrelated reference."""
+    pre = prefix_log_s(delta, lengths)                                   # (n, K)
+    var = pre.var(0)                                                     # (K,)
+    var_t = delta.var(0)                                                 # (L_max,) per position
+    uncorrelated = torch.stack([var_t[:L].sum() / L ** 2 for L in lengths])
+    gen = torch.Generator().manual_seed(seed)
+    idx = torch.randint(len(pre), (n_boot, len(pre)), generator=gen)
+    boot = pre[idx].var(1)                                               # (n_boot, K)
+    lx = torch.log(torch.tensor(lengths, dtype=boot.dtype))
+    lx = lx - lx.mean()
+    ly = torch.log(boot)
+    slopes = ((ly - ly.mean(1, keepdim=True)) * lx).sum(1) / (lx * lx).sum()
+    q = torch.tensor([0.025, 0.975], dtype=boot.dtype)
+    return {"lengths": list(lengths), "var": var.tolist(),
+            "var_ci95": torch.quantile(boot, q, dim=0).T.tolist(),
+            "slope": loglog_slope(lengths, var.tolist()),
+            "slope_ci95": torch.quantile(slopes, q).tolist(),
+            "uncorrelated": uncorrelated.tolist(),
+            "slope_uncorrelated": loglog_slope(lengths, uncorrelated.tolist()),
+            "var_by_position": var_t.tolist(), "mean_by_position": delta.mean(0).tolist(),
+            "autocorrelation_centred": centred_autocorrelation(delta, 16),
+            "bootstrap_resamples": n_boot, "responses": len(pre)}
+
+
+# ---------------------------------------------------------------------------------------------
+# Measurement helper: branch several methods from one state of a run in progress.
+# ---------------------------------------------------------------------------------------------
+def run_state(model, tok, cfg: g.Config, steps: int, rng: random.Random) -> dict:
+    """Train `steps` real RL steps of `cfg` with the script's optimiser and schedule, then keep
+    everything a run carries forward: weights, AdamW moments, the scheduler (so the learning rate)
+    and the random states. Branches started from it differ only in what they are told to do."""
+    opt, sched = g.rl_optimizer(model, cfg)
+    for _ in range(steps):
+        one_update(model, tok, cfg, rng, opt)
+        sched.step()
+    return {"model": copy.deepcopy(model.state_dict()), "opt": copy.deepcopy(opt.state_dict()),
+            "sched": copy.deepcopy(sched.state_dict()), "rng": rng.getstate(),
+            "torch_rng": torch.random.get_rng_state(), "lr": sched.get_last_lr()[0],
+            "steps": steps}
+
+
+def branch(state: dict, model, tok, cfg: g.Config, steps: int, lr_scale: float = 1.0) -> list[dict]:
+    """`steps` RL steps of `cfg` from `state`, the learning rate scaled by `lr_scale` (schedule
+    included); returns every step's metrics. The same prompts and sampling seeds in every branch."""
+    model.load_state_dict(state["model"])
+    opt, sched = g.rl_optimizer(model, cfg)
+    opt.load_state_dict(state["opt"])
+    sched.load_state_dict(state["sched"])
+    sched.base_lrs = [lr * lr_scale for lr in sched.base_lrs]
+    for group in opt.param_groups:
+        group["lr"] *= lr_scale
+    rng = random.Random()
+    rng.setstate(state["rng"])
+    torch.random.set_rng_state(state["torch_rng"])
+    out = []
+    for _ in range(steps):
+        m = one_update(model, tok, cfg, rng, opt)
+        m["lr"] = opt.param_groups[0]["lr"]
+        sched.step()
+        out.append(m)
+    return out
+
+
+@contextlib.contextmanager
+def minibatch_ratios():
+    """Collect s of every minibatch that gspo_minimal.rl_update takes, in order, while active."""
+    seen, original = [], g.ratio_metrics
+
+    def record(*args, **kwargs):
+        m = original(*args, **kwargs)
+        seen.append(m["s"].clone())
+        return m
+    g.ratio_metrics = record
+    try:
+        yield seen
+    finally:
+        g.ratio_metrics = original
 
 
 # ---------------------------------------------------------------------------------------------
@@ -122,17 +236,18 @@ def measure_equivalence(model, tok, cfg, rng, n_prompts: int = 1280) -> dict:
     new32, new64 = logprobs_in_chunks(model, batch), logprobs_in_chunks(model, batch, torch.float64)
     m = batch["mask"]
     return {"equivalence_sequences": len(m),
-            "equivalence_max_rel_err_float32": max_form_disagreement(new32, old32, m),
-            "equivalence_max_rel_err_float64": max_form_disagreement(new64, old64, m)}
+            "equivalence_max_rel_err_float32": g.form_gap(new32, old32, m).max().item(),
+            "equivalence_max_rel_err_float64": g.form_gap(new64, old64, m).max().item()}
 
 
 # ---------------------------------------------------------------------------------------------
 # 2. Variance of log s against length, on long responses of the trained model.
 # ---------------------------------------------------------------------------------------------
 # Our answers are 2-4 tokens long, so long responses are sampled with EOS suppressed: the model keeps
-# writing digits past the point where it would stop. That costs realism (these continuations are
-# off-distribution for the task), not validity: the ratio identity and the variance formula
-# hold for any response, and the update that moves the weights is a real GSPO step on real rollouts.
+# writing digits past the point where it would stop. The identity and the variance formula hold for
+# any response, and the update is a real GSPO step on real rollouts; but these continuations are
+# off-distribution, and their statistics change along the response (the per-position variance
+# shows how much), which alone bends the curve away from 1/L even for uncorrelated tokens.
 def sample_long(model, tok, n: int, length: int, rng: random.Random) -> dict:
     """n responses of exactly `length` tokens each, EOS forbidden, at temperature 1."""
     texts = [g.prompt_text("add2", a, b) for a, b in problems(n, rng)]
@@ -143,69 +258,74 @@ def sample_long(model, tok, n: int, length: int, rng: random.Random) -> dict:
             "mask": torch.ones_like(comp, dtype=torch.bool)}
 
 
-def variance_by_length(delta: torch.Tensor, lengths) -> tuple[list[float], list[float]]:
-    """Var over sequences of the prefix mean (log s) and prefix sum of per-token log-ratios."""
-    csum = delta.cumsum(-1)
-    normalised = [(csum[:, L - 1] / L).var().item() for L in lengths]
-    unnormalised = [csum[:, L - 1].var().item() for L in lengths]
-    return normalised, unnormalised
-
-
-def autocorrelation(delta: torch.Tensor, max_lag: int) -> list[float]:
-    d = delta - delta.mean()
-    var = (d * d).mean()
-    return [((d[:, :-k] * d[:, k:]).mean() / var).item() for k in range(1, max_lag + 1)]
-
-
 def measure_variance(model, tok, cfg, rng, n: int = 512, length: int = 256) -> dict:
+    """Var(log s) against length: real rollouts (EOS suppressed), one real update, log-probs
+    recomputed in float64. Also the same numbers for synthetic independent tokens (a check of
+    the harness: slope -1 by construction)."""
     lengths = [1, 2, 4, 8, 16, 32, 64, 128, 256]
     opt = warm_optimizer(model, tok, cfg, rng)
     batch = sample_long(model, tok, n, length, rng)
     old = logprobs_in_chunks(model, batch, torch.float64, chunk=128)
-    same = logprobs_in_chunks(model, batch, torch.float64, chunk=96)   # unchanged weights
     one_update(model, tok, cfg, rng, opt)
     new = logprobs_in_chunks(model, batch, torch.float64, chunk=128)
-    delta, floor = new - old, same - old
-    var_s, var_sum = variance_by_length(delta, lengths)
-    var_floor, _ = variance_by_length(floor, lengths)
+    delta = new - old                                                   # (n, length)
+    prof = variance_profile(delta, lengths)
     synth = torch.randn(n, length, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
-    var_synth, _ = variance_by_length(synth * delta.std(), lengths)
-    rho = autocorrelation(delta, 16)
-    # equicorrelated model (PAPERS.md section 2): Var(log s) = sigma^2 [(1 - c)/L + c], with c the
-    # mean autocorrelation over lags 1-16 and sigma^2 the variance of a single token's log-ratio
-    c, sigma2 = statistics.fmean(rho), delta.var().item()
-    return {"variance_equicorrelated_prediction": [sigma2 * ((1 - c) / L + c) for L in lengths],
-            "variance_mean_autocorrelation": c,
-            "variance_lengths": lengths, "variance_log_s": var_s, "variance_unnormalised": var_sum,
-            "variance_floor_by_length": var_floor, "variance_independent": var_synth,
-            "variance_slope_log_s": loglog_slope(lengths, var_s),
-            "variance_slope_unnormalised": loglog_slope(lengths, var_sum),
-            "variance_slope_independent": loglog_slope(lengths, var_synth),
-            "variance_noise_floor": max(var_floor),
-            "variance_token_logratio_std": delta.std().item(),
-            "autocorrelation_lag1_to_16": rho,
-            "variance_sequences": n}
+    indep = variance_profile(synth * delta.std(), lengths, n_boot=200)
+    # Var(sum of the first L log-ratios) = L^2 Var(log s(L)): the same measurement, slope + 2
+    unnormalised = [v * L * L for v, L in zip(prof["var"], lengths)]
+    return {"variance_lengths": lengths, "variance_sequences": n,
+            "variance_log_s": prof["var"], "variance_log_s_ci95_by_length": prof["var_ci95"],
+            "variance_slope_log_s": prof["slope"], "variance_slope_log_s_ci95": prof["slope_ci95"],
+            "variance_slope_log_s_lengths_2_to_256": loglog_slope(lengths[1:], prof["var"][1:]),
+            "variance_uncorrelated": prof["uncorrelated"],
+            "variance_slope_uncorrelated": prof["slope_uncorrelated"],
+            "variance_by_position": prof["var_by_position"],
+            "mean_by_position": prof["mean_by_position"],
+            "autocorrelation_centred_lag1_to_16": prof["autocorrelation_centred"],
+            "variance_bootstrap_resamples": prof["bootstrap_resamples"],
+            "variance_unnormalised": unnormalised,
+            "variance_slope_unnormalised": loglog_slope(lengths, unnormalised),
+            "variance_independent": indep["var"],
+            "variance_slope_independent": indep["slope"],
+            "variance_token_logratio_std": delta.std().item()}
 
 
 # ---------------------------------------------------------------------------------------------
-# 3. Clipping: GSPO and GRPO, each in a short run of its own from the same checkpoint.
+# 3. Clipping: GSPO and GRPO branched from one state of a run in progress.
 # ---------------------------------------------------------------------------------------------
-def measure_clipping(path: str, steps: int, rng_seed: int = 0) -> dict:
-    out = {}
-    for loss in ("gspo", "grpo"):
-        model, tok = load_checkpoint(path)
-        torch.manual_seed(rng_seed)
-        cfg = g.Config(loss=loss)
-        rng = random.Random(rng_seed)
-        opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
-        fractions = []
-        for _ in range(steps):
-            batch = g.rollout(model, tok, problems(cfg.prompts_per_step, rng), cfg, "cpu")
-            m = g.rl_update(model, opt, batch, cfg, *g.resolved_eps(cfg))
-            fractions.append(m["clip_tokens"])
-        out[f"clip_fraction_{loss}"] = statistics.fmean(fractions)
-        out[f"clip_fraction_{loss}_by_step"] = fractions
-    out["clip_steps"] = steps
+CLIP_STATE_STEPS = 20     # GSPO steps (the script's optimiser and schedule) before the branch point
+CLIP_STEPS = 10           # steps per branch
+CLIP_LR_SCALES = (1.0, 0.25)
+
+
+def measure_clipping(path: str, rng_seed: int = 0) -> dict:
+    """From the trained checkpoint, CLIP_STATE_STEPS GSPO steps at the script's defaults make a
+    run in progress; GSPO and GRPO each take CLIP_STEPS steps from that one state (weights, AdamW
+    moments, learning rate, prompts and sampling seeds), at its learning rate and at a quarter of
+    it. Reports the clip fractions, the ceiling they cannot exceed, and log s per minibatch."""
+    model, tok = load_checkpoint(path)
+    torch.manual_seed(rng_seed)
+    state = run_state(model, tok, DEFAULTS, CLIP_STATE_STEPS, random.Random(rng_seed))
+    out = {"clip_branch_after_steps": CLIP_STATE_STEPS, "clip_steps": CLIP_STEPS,
+           "clip_lr": state["lr"], "clip_runs": []}
+    for scale in CLIP_LR_SCALES:
+        for loss in ("gspo", "grpo"):
+            with minibatch_ratios() as seen:
+                steps = branch(state, model, tok, g.Config(loss=loss), CLIP_STEPS, scale)
+            run = {"loss": loss, "lr": steps[0]["lr"], "lr_scale": scale,
+                   **{key: statistics.fmean(m[key] for m in steps)
+                      for key in ("clip_tokens", "clip_seqs", "clip_ceiling")},
+                   "clip_tokens_by_step": [m["clip_tokens"] for m in steps],
+                   "clip_ceiling_by_step": [m["clip_ceiling"] for m in steps]}
+            if loss == "gspo" and scale == 1.0:     # log s of each minibatch position, all steps
+                k = DEFAULTS.minibatches
+                out["log_s_by_minibatch"] = [torch.cat(seen[i::k]).log().tolist() for i in range(k)]
+            out["clip_runs"].append(run)
+    first = {r["loss"]: r for r in out["clip_runs"] if r["lr_scale"] == 1.0}
+    out.update(clip_fraction_gspo=first["gspo"]["clip_tokens"],
+               clip_fraction_grpo=first["grpo"]["clip_tokens"],
+               clip_seqs_gspo=first["gspo"]["clip_seqs"], clip_ceiling=first["gspo"]["clip_ceiling"])
     return out
 
 
@@ -235,7 +355,7 @@ def ratio_spread(model, tok, cfg, rng) -> dict:
     one_update(model, tok, cfg, rng, opt)
     new = logprobs_in_chunks(model, batch)
     keep = batch["mask"]
-    token_lr = (new - old)[keep]
+    token_lr = (new - old)[keep]                                       # (tokens,), row-major order
     out = {"token_logratio_std": token_lr.std().item(),
            "token_logratio_max_abs": token_lr.abs().max().item(),
            "seq_logratio_std": g.sequence_log_ratio(new, old, keep).std().item()}
@@ -245,6 +365,12 @@ def ratio_spread(model, tok, cfg, rng) -> dict:
         kept = (before.unsqueeze(-1) == after.unsqueeze(-2)).any(-1).sum(-1)   # (layers, tokens)
         out["routing_change_fraction"] = (1 - kept.float() / k).mean().item()
         out["routing_change_by_layer"] = (1 - kept.float() / k).mean(-1).tolist()
+        moved = (kept < k).any(0)                          # (tokens,): some layer's route changed
+        out["tokens_route_changed"] = moved.float().mean().item()
+        for name, sel in (("route_changed", moved), ("route_kept", ~moved)):
+            lr = token_lr[sel]
+            out[f"token_logratio_std_{name}"] = lr.std().item() if len(lr) > 1 else None
+            out[f"token_logratio_max_abs_{name}"] = lr.abs().max().item() if len(lr) else None
     return out
 
 
@@ -275,23 +401,22 @@ def measure_moe(dense_path: str, cfg: g.Config, rng_seed: int = 0) -> dict:
 # ---------------------------------------------------------------------------------------------
 def verify() -> dict:
     t0 = time.perf_counter()
-    os.makedirs(VERIFY_DIR, exist_ok=True)
-    cfg = g.Config()
+    cfg = DEFAULTS
     torch.manual_seed(0)
     rng = random.Random(0)
     path = os.path.join(TRAIN_DIR, "checkpoint")
     model, tok = load_checkpoint(path)
     t_start = time.perf_counter()
-    res = {"checkpoint": path}
+    res = {"checkpoint": path, "seed": 0}
     res.update(measure_equivalence(model, tok, cfg, rng))
     model, tok = load_checkpoint(path)
     res.update(measure_variance(model, tok, cfg, rng))
-    res.update(measure_clipping(path, steps=10))
+    res.update(measure_clipping(path))
     res.update(measure_moe(path, cfg))
     res["verify_seconds"] = time.perf_counter() - t_start
     res["verify_seconds_with_loading"] = time.perf_counter() - t0
-    with open(os.path.join(VERIFY_DIR, "verify.json"), "w") as f:
-        json.dump(res, f, indent=2)
+    write_json(os.path.join(VERIFY_DIR, "verify.json"), res, "python experiments.py verify",
+               res["verify_seconds_with_loading"])
     print_table(res)
     return res
 
@@ -301,17 +426,32 @@ def print_table(r: dict) -> None:
         ("sequences compared (three forms of s)", f"{r['equivalence_sequences']}", "round-off check"),
         ("max rel. disagreement, float32", f"{r['equivalence_max_rel_err_float32']:.2e}", "~1e-6"),
         ("max rel. disagreement, float64", f"{r['equivalence_max_rel_err_float64']:.2e}", "~1e-15"),
-        ("slope of Var(log s) vs L", f"{r['variance_slope_log_s']:+.3f}", "-1 if independent"),
-        ("slope of Var(sum of log-ratios) vs L", f"{r['variance_slope_unnormalised']:+.3f}", "+1 if independent"),
+        ("slope of Var(log s) vs L (95% bootstrap CI)", f"{r['variance_slope_log_s']:+.3f} "
+         f"[{r['variance_slope_log_s_ci95'][0]:+.2f}, {r['variance_slope_log_s_ci95'][1]:+.2f}]",
+         "-1 if independent and stationary"),
+        ("  the same, fitted over L = 2..256 only", f"{r['variance_slope_log_s_lengths_2_to_256']:+.3f}", ""),
+        ("slope if uncorrelated, measured var per position", f"{r['variance_slope_uncorrelated']:+.3f}",
+         "(1/L^2) sum_t var_t"),
+        ("Var(log s) at L=1 / 2 / 256", f"{r['variance_log_s'][0]:.4f} / {r['variance_log_s'][1]:.4f} / "
+         f"{r['variance_log_s'][-1]:.4f}", ""),
+        ("  uncorrelated reference at L=256", f"{r['variance_uncorrelated'][-1]:.4f}", "(1/L^2) sum_t var_t"),
+        ("per-position variance: t=1 / median t=2..256",
+         f"{r['variance_by_position'][0]:.3f} / {statistics.median(r['variance_by_position'][1:]):.3f}", "equal if stationary"),
+        ("mean token log-ratio: t=1 / median t=65..256",
+         f"{r['mean_by_position'][0]:+.3f} / {statistics.median(r['mean_by_position'][64:]):+.3f}", ""),
         ("slope, synthetic independent tokens", f"{r['variance_slope_independent']:+.3f}", "-1 (harness check)"),
-        ("lag-1 autocorrelation of token log-ratios", f"{r['autocorrelation_lag1_to_16'][0]:+.3f}", "0 if independent"),
-        ("mean autocorrelation, lags 1-16 (c)", f"{r['variance_mean_autocorrelation']:+.3f}", ""),
-        (f"Var(log s) at L={r['variance_lengths'][-1]}: measured / sigma^2[(1-c)/L+c]",
-         f"{r['variance_log_s'][-1]:.4f} / {r['variance_equicorrelated_prediction'][-1]:.4f}", "equicorrelated model"),
-        ("noise floor of Var(log s), same weights", f"{r['variance_noise_floor']:.1e}", "float64 round-off"),
-        ("clip fraction per token, GSPO", f"{r['clip_fraction_gspo']:.4f}", "paper: ~100x GRPO"),
-        ("clip fraction per token, GRPO", f"{r['clip_fraction_grpo']:.4f}", ""),
-        ("MoE: activated experts changed by one update", f"{r['moe_routing_change_fraction']:.3f}", "paper: ~0.10 (48 layers)"),
+        ("autocorrelation, per-position centred: lag 1 / mean 1-16",
+         f"{r['autocorrelation_centred_lag1_to_16'][0]:+.3f} / "
+         f"{statistics.fmean(r['autocorrelation_centred_lag1_to_16']):+.3f}", "0 if independent"),
+        (f"clip fraction per token, GSPO (lr {r['clip_lr']:.2e})", f"{r['clip_fraction_gspo']:.4f}", "paper: two orders of magnitude above GRPO"),
+        ("clip fraction per token, GRPO (same state)", f"{r['clip_fraction_grpo']:.4f}", ""),
+        ("ceiling: tokens that could clip at all", f"{r['clip_ceiling']:.4f}", "off-policy minibatches, A != 0"),
+        *[(f"  {c['loss']} at lr {c['lr']:.2e}: clip_tokens / clip_ceiling",
+           f"{c['clip_tokens']:.4f} / {c['clip_ceiling']:.4f}", "") for c in r["clip_runs"]],
+        ("MoE: activated experts changed by one update", f"{r['moe_routing_change_fraction']:.3f}", "paper: ~10% (its 48-layer MoE)"),
+        ("MoE token log-ratio std, route changed / kept",
+         f"{r['ratio_spread']['moe']['token_logratio_std_route_changed']:.4f} / "
+         f"{r['ratio_spread']['moe']['token_logratio_std_route_kept']:.4f}", ""),
         ("token log-ratio std, dense / MoE", f"{r['ratio_spread']['dense']['token_logratio_std']:.4f} / "
          f"{r['ratio_spread']['moe']['token_logratio_std']:.4f}", ""),
         ("sequence log-ratio std, dense / MoE", f"{r['ratio_spread']['dense']['seq_logratio_std']:.4f} / "
@@ -327,6 +467,7 @@ def print_table(r: dict) -> None:
 # Sampler benchmark: the hand-written loop against transformers' generate.
 # ---------------------------------------------------------------------------------------------
 def bench_sampler(repeats: int = 15) -> dict:
+    t0 = time.perf_counter()
     torch.manual_seed(0)
     cfg = g.Config()
     results = {}
@@ -339,9 +480,8 @@ def bench_sampler(repeats: int = 15) -> dict:
         results[name] = time_samplers(model.eval(), tok, cfg, repeats)
     res = {"completions": cfg.prompts_per_step * cfg.group_size, "max_new_tokens": cfg.max_new_tokens,
            "threads": torch.get_num_threads(), "repeats": repeats, **results}
-    os.makedirs("runs/sampler", exist_ok=True)
-    with open("runs/sampler/sampler.json", "w") as f:
-        json.dump(res, f, indent=2)
+    write_json("runs/sampler/sampler.json", res, "python experiments.py sampler",
+               time.perf_counter() - t0)
     for name, r in results.items():
         print(f"{name} model: {res['completions']} completions, up to {cfg.max_new_tokens} tokens, "
               f"{res['threads']} threads, median of {repeats}: hand-written "
@@ -363,11 +503,11 @@ def time_samplers(model, tok, cfg: g.Config, repeats: int) -> dict:
 
     def ours():
         return g.sample_completions(model, ids, attn, cfg.max_new_tokens, tok.eos_token_id,
-                                    tok.pad_token_id, 1.0)
+                                    tok.pad_token_id, temperature=1.0)
 
     def ours_grouped():                  # as rollouts call it: each prompt run once per group
         return g.sample_completions(model, ids, attn, cfg.max_new_tokens, tok.eos_token_id,
-                                    tok.pad_token_id, 1.0, group_size=cfg.group_size)
+                                    tok.pad_token_id, temperature=1.0, group_size=cfg.group_size)
 
     def theirs():
         with torch.no_grad():
@@ -388,10 +528,34 @@ def time_samplers(model, tok, cfg: g.Config, repeats: int) -> dict:
     return res
 
 
+def metric_stats(folder: str = TRAIN_DIR) -> dict:
+    """Lowest, 10th percentile, median, 90th percentile and highest of every number that
+    metrics.jsonl logs over a run's RL steps (tutorial.md section 8 quotes them)."""
+    with open(os.path.join(folder, "metrics.jsonl")) as f:
+        rl = [r for r in map(json.loads, f) if r["stage"] == "rl"]
+    stats = {}
+    for key in dict.fromkeys(k for r in rl for k in r):          # every key, in first-seen order
+        values = sorted(r[key] for r in rl if isinstance(r.get(key), (int, float)))
+        if key in ("step", "elapsed") or not values:
+            continue
+        q = statistics.quantiles(values, n=10) if len(values) > 1 else values * 9
+        stats[key] = {"min": values[0], "p10": q[0], "median": statistics.median(values),
+                      "p90": q[-1], "max": values[-1], "steps": len(values)}
+    print(f"{folder}/metrics.jsonl, {len(rl)} RL steps")
+    print(f"{'metric':18s} {'min':>10s} {'p10':>10s} {'median':>10s} {'p90':>10s} {'max':>10s}")
+    for key, s in stats.items():
+        print(f"{key:18s} " + " ".join(f"{s[k]:10.4g}" for k in ("min", "p10", "median", "p90", "max")))
+    return stats
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("what", choices=["verify", "figures", "sampler"])
+    parser.add_argument("what", choices=["verify", "figures", "sampler", "metrics"])
+    parser.add_argument("folder", nargs="?", default=TRAIN_DIR, help="run folder for `metrics`")
     args = parser.parse_args(argv)
+    if args.what == "metrics":
+        metric_stats(args.folder)
+        return 0
     from transformers.utils import logging as hf_logging
     hf_logging.disable_progress_bar()
     {"verify": verify, "figures": figures, "sampler": bench_sampler}[args.what]()
@@ -402,23 +566,26 @@ def main(argv=None) -> int:
 # make figures
 # ---------------------------------------------------------------------------------------------
 FIG_RUNS = "runs/figures"
-FIG_STEPS = 200          # RL steps per figure run (make train uses 500): 15 runs fit in 30 minutes
+FIG_STEPS = 200          # RL steps per figure run (make train uses 500), fixed before the runs
 SEEDS = (0, 1, 2)
 # Okabe-Ito colours, each paired with its own line style and marker so the plots read in grey too
 STYLE = {"gspo": ("#0072B2", "-", "o"), "gspo-token": ("#009E73", "--", "s"),
-         "grpo": ("#D55E00", ":", "^")}
+         "grpo": ("#D55E00", ":", "^"), "control": ("#999999", "-.", "x")}
 
 
 def figure_runs() -> list[tuple[str, list[str]]]:
+    """Every run `make figures` makes, with the flags that differ from the script's defaults."""
     runs = [(f"{loss}_s{seed}", ["--loss", loss, "--seed", str(seed)])
             for loss in ("gspo", "gspo-token", "grpo") for seed in SEEDS]
     runs += [(f"moe_{loss}_s{seed}", ["--moe", "--loss", loss, "--seed", str(seed)])
              for loss in ("gspo", "grpo") for seed in SEEDS]
+    runs += [(f"control_s{seed}", ["--shuffle-rewards", "--seed", str(seed)]) for seed in SEEDS]
     return runs
 
 
 def run_all(runs, workers: int = 2) -> None:
-    """Run the training jobs, `workers` at a time, one thread each (2 cores: no oversubscription)."""
+    """Run the training jobs, `workers` at a time, one thread each (2 cores: no oversubscription).
+    A run whose summary.json exists is kept and skipped, so an interrupted target resumes."""
     pending = [r for r in runs if not os.path.exists(os.path.join(FIG_RUNS, r[0], "summary.json"))]
     active: list[tuple[str, subprocess.Popen]] = []
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
@@ -442,13 +609,23 @@ def read_metrics(name: str) -> list[dict]:
         return [json.loads(line) for line in f]
 
 
+def read_summary(name: str) -> dict:
+    with open(os.path.join(FIG_RUNS, name, "summary.json")) as f:
+        return json.load(f)
+
+
 def accuracy_curves(ax, names_by_loss: dict[str, list[str]], title: str) -> None:
-    """Validation accuracy against wall time: median over seeds, min-max band."""
+    """Validation accuracy against each run's own elapsed time: median over seeds, min-max band;
+    a dotted line where RL begins (the warm-up's end, median over every run in the plot)."""
     import numpy as np
+    starts = []
     for loss, names in names_by_loss.items():
         curves = []
         for name in names:
-            rl = [r for r in read_metrics(name) if "val_acc" in r]      # warm-up, then RL
+            records = read_metrics(name)
+            rl = [r for r in records if "val_acc" in r]                 # warm-up, then RL
+            starts.append(next(r["elapsed"] for r in records if r["stage"] == "rl")
+                          - next(r["step_seconds"] for r in records if r["stage"] == "rl"))
             curves.append((np.array([r["elapsed"] for r in rl]), np.array([r["val_acc"] for r in rl])))
         start = max(c[0][0] for c in curves)
         end = min(c[0][-1] for c in curves)
@@ -456,14 +633,196 @@ def accuracy_curves(ax, names_by_loss: dict[str, list[str]], title: str) -> None
         ys = np.stack([np.interp(grid, t, y) for t, y in curves])
         colour, ls, marker = STYLE[loss]
         ax.plot(grid, np.median(ys, 0), color=colour, ls=ls, marker=marker, markevery=10,
-                label=f"{loss} (median of {len(names)} seeds)")
-        ax.fill_between(grid, ys.min(0), ys.max(0), color=colour, alpha=0.15)
-    ax.set_xlabel("wall time since start, warm-up included, s (2 runs at a time, 1 thread each)")
+                label=f"{loss}: median of {len(names)} seeds")
+        ax.fill_between(grid, ys.min(0), ys.max(0), color=colour, alpha=0.15,
+                        label=f"{loss}: lowest to highest seed")
+    ax.axvline(float(np.median(starts)), color="black", ls=":", lw=1)
+    ax.text(float(np.median(starts)), 0.02, " RL starts (median)", fontsize=8)
+    ax.set_xlabel("seconds since the run started, warm-up included (2 runs at a time, 1 thread each)")
     ax.set_ylabel("validation accuracy (greedy)")
     ax.set_title(title)
     ax.set_ylim(0, 1)
     ax.grid(alpha=0.3)
-    ax.legend(loc="lower right")
+    ax.legend(loc="lower right", fontsize=8)
+
+
+def plot_clipped_objective(plt) -> None:
+    """The clipped term min(s A, clip(s) A) against s for A = +1 and A = -1, GSPO's band."""
+    import numpy as np
+    lo, hi = g.DEFAULT_EPS["gspo"]
+    s = torch.linspace(1 - 4 * lo, 1 + 4 * hi, 801, dtype=torch.float64)
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8), sharey=False)
+    for ax, adv in zip(axes, (1.0, -1.0)):
+        a = torch.full_like(s, adv)
+        term = g._clipped_surrogate(s, a, lo, hi)
+        dead = g.clipped_on_active_side(s, a, lo, hi)
+        x = (s - 1).numpy() * 1e4
+        ax.plot(x, term.numpy(), color="#0072B2", lw=2, label="min(s A, clip(s, 1-eps_low, 1+eps_high) A)")
+        ax.plot(x, (s * a).numpy(), color="#D55E00", ls=":", label="s A (unclipped)")
+        ax.axvspan(-lo * 1e4, hi * 1e4, color="#999999", alpha=0.2, label="the band: [1-eps_low, 1+eps_high]")
+        xs = x[dead.numpy()]
+        ax.axvspan(xs.min(), xs.max(), color="#E69F00", alpha=0.25, hatch="//",
+                   label="clipped on its active side: zero gradient")
+        ax.set_title(f"A {'> 0' if adv > 0 else '< 0'} (A = {adv:+.0f})")
+        ax.set_xlabel("s - 1, in units of 1e-4")
+        ax.set_ylabel("objective term (maximised)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7, loc="upper left" if adv > 0 else "upper right")
+    fig.suptitle("GSPO's clipped term for one response, eps_low = 3e-4, eps_high = 4e-4", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(os.path.join(FIG_DIR, "clipped_objective.png"), dpi=120)
+
+
+def plot_rollout_timeline(plt) -> None:
+    """Which weights give pi_new and pi_old for each minibatch of one rollout (4 minibatches)."""
+    fig, ax = plt.subplots(figsize=(10, 3.4))
+    boxes = [(0.0, 2.0, "sample the rollout\nwith theta_0\n(pi_old = theta_0)", "#56B4E9"),
+             (2.2, 1.8, "one no-grad pass:\nlog pi_old for\nminibatches 2-4", "#CCCCCC")]
+    for k in range(4):
+        boxes.append((4.2 + 1.5 * k, 1.3, f"minibatch {k + 1}\npi_new = theta_{k}\n"
+                      f"pi_old = theta_0\n" + ("s = 1 exactly" if k == 0 else "off-policy"),
+                      "#009E73" if k == 0 else "#E69F00"))
+    for x, w, text, colour in boxes:
+        ax.add_patch(plt.Rectangle((x, 0.3), w, 1.4, facecolor=colour, edgecolor="black", alpha=0.6))
+        ax.text(x + w / 2, 1.0, text, ha="center", va="center", fontsize=8)
+    for k in range(4):
+        x = 4.2 + 1.5 * k + 1.3
+        ax.annotate(f"step: theta_{k}\n-> theta_{k + 1}", (x, 0.3), (x, -0.35), ha="center", fontsize=7,
+                    arrowprops=dict(arrowstyle="->"))
+    ax.set_xlim(-0.2, 10.4)
+    ax.set_ylim(-0.6, 2.0)
+    ax.axis("off")
+    ax.set_title("One GSPO step (`rl_update`): every minibatch is compared with the policy that "
+                 "sampled the rollout", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(os.path.join(FIG_DIR, "rollout_timeline.png"), dpi=120)
+
+
+def plot_log_s_by_minibatch(plt, v: dict) -> None:
+    import numpy as np
+    lo, hi = g.DEFAULT_EPS["gspo"]
+    per_mb = v["log_s_by_minibatch"]
+    fig, axes = plt.subplots(1, len(per_mb), figsize=(12, 3.2), sharey=True)
+    edges = np.linspace(-0.6, 0.6, 61)
+    for k, (ax, vals) in enumerate(zip(axes, per_mb)):
+        vals = np.array(vals)
+        ax.hist(np.clip(vals, edges[0], edges[-1]), bins=edges, color="#0072B2", alpha=0.7)
+        ax.axvspan(math.log(1 - lo), math.log(1 + hi), color="#D55E00", alpha=0.6)
+        inside = np.mean((vals >= math.log(1 - lo)) & (vals <= math.log(1 + hi)))
+        ax.set_title(f"minibatch {k + 1}: {inside:.1%} inside the band", fontsize=9)
+        ax.set_xlabel("log s (nats per token)")
+    axes[0].set_ylabel("responses")
+    fig.suptitle(f"log s of every response by minibatch position, {v['clip_steps']} GSPO steps from "
+                 f"one run state (lr {v['clip_lr']:.1e}); red: GSPO's band, "
+                 f"[{math.log(1 - lo):.1e}, {math.log(1 + hi):.1e}], narrower than the line", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(os.path.join(FIG_DIR, "log_s_by_minibatch.png"), dpi=120)
+
+
+def plot_control(plt) -> None:
+    """Reward and validation accuracy against RL step: GSPO against the shuffled-reward control."""
+    import numpy as np
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
+    for group in ("gspo", "control"):
+        colour, ls, marker = STYLE[group]
+        runs = [[r for r in read_metrics(f"{group}_s{s}") if r["stage"] == "rl"] for s in SEEDS]
+        reward = np.array([[r["reward"] for r in run[:FIG_STEPS]] for run in runs])
+        k = 10
+        smooth = np.array([np.convolve(x, np.ones(k) / k, mode="valid") for x in reward])
+        steps = np.arange(k, FIG_STEPS + 1)
+        label = "GSPO" if group == "gspo" else "GSPO, rewards shuffled (control)"
+        a1.plot(steps, np.median(smooth, 0), color=colour, ls=ls, label=f"{label}: median of 3 seeds")
+        a1.fill_between(steps, smooth.min(0), smooth.max(0), color=colour, alpha=0.15)
+        evals = [[(r["step"], r["val_acc"]) for r in run if "val_acc" in r] for run in runs]
+        xs = [st for st, _ in evals[0]]
+        acc = np.array([[a for _, a in e] for e in evals])
+        a2.plot(xs, np.median(acc, 0), color=colour, ls=ls, marker=marker, label=label)
+        a2.fill_between(xs, acc.min(0), acc.max(0), color=colour, alpha=0.15)
+    a1.set_xlabel("RL step")
+    a1.set_ylabel("mean reward of the rollout (10-step average)")
+    a2.set_xlabel("RL step")
+    a2.set_ylabel("validation accuracy (greedy)")
+    for ax in (a1, a2):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle("Shaded: lowest to highest of 3 seeds. Step 0 is the end of the warm-up.", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(os.path.join(FIG_DIR, "reward_vs_step.png"), dpi=120)
+
+
+def plot_variance(plt, v: dict) -> None:
+    import numpy as np
+    L = np.array(v["variance_lengths"])
+    var = np.array(v["variance_log_s"])
+    ci = np.array(v["variance_log_s_ci95_by_length"])
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    a1.loglog(L, var, color="#0072B2", marker="o", label="Var(log s), real update (95% bootstrap CI)")
+    a1.fill_between(L, ci[:, 0], ci[:, 1], color="#0072B2", alpha=0.2)
+    a1.loglog(L, v["variance_uncorrelated"], color="#E69F00", ls="--", marker="^",
+              label="if uncorrelated: (1/L^2) sum of per-position variances")
+    a1.loglog(L, v["variance_independent"], color="#009E73", ls=":", marker="s",
+              label="synthetic independent tokens (slope -1)")
+    a1.set_xlabel("prefix length L (tokens)")
+    a1.set_ylabel("variance over responses")
+    lo, hi = v["variance_slope_log_s_ci95"]
+    a1.set_title(f"slope {v['variance_slope_log_s']:+.2f} [{lo:+.2f}, {hi:+.2f}]; "
+                 f"uncorrelated reference {v['variance_slope_uncorrelated']:+.2f}", fontsize=9)
+    a1.grid(alpha=0.3, which="both")
+    a1.legend(fontsize=7)
+    pos = np.arange(1, len(v["variance_by_position"]) + 1)
+    a2.semilogy(pos, v["variance_by_position"], color="#0072B2", lw=1)
+    a2.set_xlabel("position t in the response")
+    a2.set_ylabel("Var over responses of the token log-ratio at t")
+    a2.set_title("per-position variance: the EOS-suppressed text is not stationary", fontsize=9)
+    a2.grid(alpha=0.3, which="both")
+    fig.tight_layout()
+    fig.savefig(os.path.join(FIG_DIR, "variance_vs_length.png"), dpi=120)
+
+
+def plot_clip_fraction(plt) -> None:
+    import numpy as np
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    k = 10                                                   # 10-step moving average
+    for loss in ("gspo", "grpo"):
+        colour, ls, marker = STYLE[loss]
+        for key, width, label in (("clip_tokens", 2.0, "clip_tokens"),
+                                  ("clip_ceiling", 0.8, "clip_ceiling (cannot be exceeded)")):
+            series = [[r[key] for r in read_metrics(f"{loss}_s{s}") if r["stage"] == "rl"]
+                      for s in SEEDS]
+            y = np.median(np.array([x[:FIG_STEPS] for x in series]), 0)
+            y = np.convolve(y, np.ones(k) / k, mode="valid")
+            ax.semilogy(np.arange(len(y)) + k, np.maximum(y, 1e-5), color=colour, lw=width,
+                        ls=ls if key == "clip_tokens" else "-", marker=marker if key == "clip_tokens"
+                        else None, markevery=20, label=f"{loss}: {label}")
+    ax.set_xlabel("RL step (the learning rate decays linearly to 0 over the 200 steps)")
+    ax.set_ylabel("share of completion tokens")
+    ax.set_title("Clip fraction over training (median of 3 seeds, 10-step average)", fontsize=10)
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(os.path.join(FIG_DIR, "clip_fraction.png"), dpi=120)
+
+
+def plot_moe(plt, v: dict) -> None:
+    import numpy as np
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 4))
+    by_layer = v["moe_routing_change_by_layer"]
+    a1.bar(range(1, len(by_layer) + 1), by_layer, color="#56B4E9", edgecolor="black", hatch="//")
+    a1.set_xlabel("layer")
+    a1.set_ylabel("share of activated experts that changed")
+    a1.set_title("Tiny MoE: routing after one GSPO update", fontsize=10)
+    moe = v["ratio_spread"]["moe"]
+    dense = v["ratio_spread"]["dense"]
+    labels = ["dense:\nevery token", "MoE: route\nkept", "MoE: route changed\n(some layer)"]
+    vals = [dense["token_logratio_std"], moe["token_logratio_std_route_kept"],
+            moe["token_logratio_std_route_changed"]]
+    a2.bar(np.arange(3), vals, color=["#0072B2", "#009E73", "#E69F00"], edgecolor="black")
+    a2.set_xticks(np.arange(3), labels, fontsize=8)
+    a2.set_ylabel("std of token log-ratios after one update (nats)")
+    a2.set_title(f"{moe['tokens_route_changed']:.0%} of MoE tokens changed route in some layer",
+                 fontsize=10)
+    fig.tight_layout()
+    fig.savefig(os.path.join(FIG_DIR, "moe_routing.png"), dpi=120)
 
 
 def figures() -> None:
@@ -473,113 +832,88 @@ def figures() -> None:
     t0 = time.perf_counter()
     os.makedirs(FIG_RUNS, exist_ok=True)
     os.makedirs(FIG_DIR, exist_ok=True)
+    reused = [n for n, _ in figure_runs() if os.path.exists(os.path.join(FIG_RUNS, n, "summary.json"))]
+    earlier = 0.0                   # a resumed target adds the time of the invocations it reuses
+    if reused and os.path.exists(os.path.join(FIG_DIR, "figures.json")):
+        with open(os.path.join(FIG_DIR, "figures.json")) as f:
+            earlier = json.load(f).get("figures_seconds", 0.0)
     if not os.path.exists(os.path.join(VERIFY_DIR, "verify.json")):
         verify()
     with open(os.path.join(VERIFY_DIR, "verify.json")) as f:
         v = json.load(f)
     run_all(figure_runs())
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    accuracy_curves(ax, {loss: [f"{loss}_s{s}" for s in SEEDS] for loss in STYLE},
-                    "Dense model, 2-digit addition: GSPO, GSPO-token, GRPO")
-    fig.tight_layout()
-    fig.savefig(os.path.join(FIG_DIR, "accuracy_vs_time.png"), dpi=120)
-
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    accuracy_curves(ax, {loss: [f"moe_{loss}_s{s}" for s in SEEDS] for loss in ("gspo", "grpo")},
-                    "Tiny mixture-of-experts model: GSPO against GRPO")
-    fig.tight_layout()
-    fig.savefig(os.path.join(FIG_DIR, "moe_gspo_vs_grpo.png"), dpi=120)
-
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    L = v["variance_lengths"]
-    for key, label, colour, ls, marker in (
-            ("variance_log_s", "Var(log s), real update", "#0072B2", "-", "o"),
-            ("variance_unnormalised", "Var(sum of token log-ratios), real update", "#D55E00", "--", "^"),
-            ("variance_independent", "Var(log s), synthetic independent tokens", "#009E73", ":", "s")):
-        ax.loglog(L, v[key], color=colour, ls=ls, marker=marker, label=label)
-    ax.loglog(L, v["variance_equicorrelated_prediction"], color="black", ls="-.", lw=1,
-              label=f"sigma^2[(1-c)/L + c], measured c = {v['variance_mean_autocorrelation']:.2f}")
-    ax.set_xlabel("response length L (tokens)")
-    ax.set_ylabel("variance over responses")
-    ax.set_title(f"log s: slope {v['variance_slope_log_s']:+.2f} (independent tokens: -1); "
-                 f"sum: {v['variance_slope_unnormalised']:+.2f}", fontsize=10)
-    ax.grid(alpha=0.3, which="both")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(os.path.join(FIG_DIR, "variance_vs_length.png"), dpi=120)
-
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    import numpy as np
-    for loss in ("gspo", "grpo"):
-        colour, ls, marker = STYLE[loss]
-        series = [[r["clip_tokens"] for r in read_metrics(f"{loss}_s{s}") if r["stage"] == "rl"]
-                  for s in SEEDS]
-        n = min(map(len, series))
-        y = np.median(np.array([x[:n] for x in series]), 0)
-        k = 10                                                   # 10-step moving average
-        y = np.convolve(y, np.ones(k) / k, mode="valid")
-        ax.semilogy(np.arange(len(y)) + k, np.maximum(y, 1e-5), color=colour, ls=ls, label=loss)
-    ax.set_xlabel("RL step")
-    ax.set_ylabel("share of completion tokens clipped (active side)")
-    ax.set_title("Clip fraction over training (median of 3 seeds, 10-step average)")
-    ax.grid(alpha=0.3, which="both")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(os.path.join(FIG_DIR, "clip_fraction.png"), dpi=120)
-
-    fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 4))
-    by_layer = v["moe_routing_change_by_layer"]
-    a1.bar(range(1, len(by_layer) + 1), by_layer, color="#56B4E9", edgecolor="black", hatch="//")
-    a1.set_xlabel("layer")
-    a1.set_ylabel("share of activated experts that changed")
-    a1.set_title("MoE routing after one GSPO update")
-    spread = v["ratio_spread"]
-    x = np.arange(2)
-    for i, (key, label, hatch) in enumerate((("token_logratio_std", "token log-ratio", ""),
-                                             ("seq_logratio_std", "sequence log-ratio (log s)", ".."))):
-        a2.bar(x + 0.38 * i, [spread["dense"][key], spread["moe"][key]], width=0.38, label=label,
-               color=["#0072B2", "#E69F00"][i], edgecolor="black", hatch=hatch)
-    a2.set_xticks(x + 0.19, ["dense", "MoE"])
-    a2.set_ylabel("standard deviation after one update (nats)")
-    a2.set_title("Spread of log-ratios, dense against MoE")
-    a2.legend()
-    fig.tight_layout()
-    fig.savefig(os.path.join(FIG_DIR, "moe_routing.png"), dpi=120)
+    for names, title, file in (
+            ({loss: [f"{loss}_s{s}" for s in SEEDS] for loss in ("gspo", "gspo-token", "grpo")},
+             "Dense model, 2-digit addition: GSPO, GSPO-token, GRPO", "accuracy_vs_time.png"),
+            ({loss: [f"moe_{loss}_s{s}" for s in SEEDS] for loss in ("gspo", "grpo")},
+             "Tiny mixture-of-experts model: GSPO against GRPO", "moe_gspo_vs_grpo.png")):
+        fig, ax = plt.subplots(figsize=(7.5, 4.8))
+        accuracy_curves(ax, names, title)
+        fig.tight_layout()
+        fig.savefig(os.path.join(FIG_DIR, file), dpi=120)
+    plot_variance(plt, v)
+    plot_clip_fraction(plt)
+    plot_moe(plt, v)
+    plot_clipped_objective(plt)
+    plot_rollout_timeline(plt)
+    plot_log_s_by_minibatch(plt, v)
+    plot_control(plt)
+    plt.close("all")
     summary = figure_summary()
-    summary["figures_seconds"] = time.perf_counter() - t0
-    with open(os.path.join(FIG_RUNS, "figures.json"), "w") as f:
-        json.dump(summary, f, indent=2)
+    summary["figures_seconds_this_invocation"] = time.perf_counter() - t0
+    summary["runs_reused"] = reused
+    summary["figures_seconds"] = earlier + summary["figures_seconds_this_invocation"]
+    summary["verify"] = {k: val for k, val in v.items() if k not in ("log_s_by_minibatch",
+                                                                     "variance_by_position",
+                                                                     "mean_by_position")}
+    write_json(os.path.join(FIG_DIR, "figures.json"), summary, "python experiments.py figures",
+               summary["figures_seconds"])
     for group, r in summary["test_accuracy"].items():
-        print(f"{group:10s} test accuracy after {FIG_STEPS} RL steps: median {r['median']:.3f} "
-              f"(seeds {', '.join(f'{a:.3f}' for a in r['seeds'])})")
+        print(f"{group:10s} test accuracy before -> after {FIG_STEPS} RL steps: median "
+              f"{r['median_before']:.3f} -> {r['median']:.3f} (seeds after: "
+              f"{', '.join(f'{a:.3f}' for a in r['seeds'])})")
     for loss, r in summary["clip_tokens"].items():
-        print(f"{loss:10s} clip fraction per token, median of 3 seeds: steps 1-{FIG_STEPS // 2} "
-              f"{r['first_half']:.3f}, steps {FIG_STEPS // 2 + 1}-{FIG_STEPS} {r['second_half']:.3f}")
-    print(f"figures written to {FIG_DIR}/, numbers to {FIG_RUNS}/figures.json, "
+        print(f"{loss:10s} clip_tokens, median of 3 seeds: steps 1-{FIG_STEPS // 2} "
+              f"{r['first_half']:.3f}, steps {FIG_STEPS // 2 + 1}-{FIG_STEPS} {r['second_half']:.3f} "
+              f"(clip_ceiling {r['ceiling_first_half']:.3f}, {r['ceiling_second_half']:.3f})")
+    print(f"figures written to {FIG_DIR}/ with their numbers in {FIG_DIR}/figures.json, "
           f"in {summary['figures_seconds']:.0f} s")
 
 
 def figure_summary() -> dict:
-    """The numbers tutorial.md quotes from the figure runs: final test accuracy of every run, and
-    the clip fraction of the dense runs over the first and second half of training."""
+    """The numbers tutorial.md quotes from the figure runs: every run's settings and results, the
+    per-group medians, and the dense runs' clip fractions over each half of training."""
     import numpy as np
-    groups = {**{loss: loss for loss in STYLE}, "moe_gspo": "moe_gspo", "moe_grpo": "moe_grpo"}
-    accuracy = {}
-    for group, prefix in groups.items():
-        seeds = []
-        for s in SEEDS:
-            with open(os.path.join(FIG_RUNS, f"{prefix}_s{s}", "summary.json")) as f:
-                seeds.append(json.load(f)["accuracy_after_rl"])
-        accuracy[group] = {"median": float(np.median(seeds)), "seeds": seeds}
+    runs, groups = [], {}
+    for name, args in figure_runs():
+        s = read_summary(name)
+        rl = [r for r in read_metrics(name) if r["stage"] == "rl"]
+        runs.append({"name": name, "seed": s["seed"], "loss": s["loss"],
+                     "settings": args + ["--steps", str(FIG_STEPS), "--threads", "1"],
+                     "accuracy_before_rl": s["accuracy_before_rl"],
+                     "accuracy_after_rl": s["accuracy_after_rl"], "wall_seconds": s["wall_seconds"],
+                     "warmup_steps": s["warmup_steps"],
+                     "clip_tokens": statistics.fmean(r["clip_tokens"] for r in rl),
+                     "clip_seqs": statistics.fmean(r["clip_seqs"] for r in rl)})
+        groups.setdefault(name.rsplit("_s", 1)[0], []).append(runs[-1])
+    accuracy = {group: {"median": float(np.median([r["accuracy_after_rl"] for r in rs])),
+                        "median_before": float(np.median([r["accuracy_before_rl"] for r in rs])),
+                        "seeds": [r["accuracy_after_rl"] for r in rs],
+                        "seeds_before": [r["accuracy_before_rl"] for r in rs]}
+                for group, rs in groups.items()}
     clip = {}
+    half = FIG_STEPS // 2
     for loss in ("gspo", "grpo"):
-        per_seed = [[r["clip_tokens"] for r in read_metrics(f"{loss}_s{s}") if r["stage"] == "rl"]
-                    for s in SEEDS]
-        half = FIG_STEPS // 2
-        clip[loss] = {"first_half": float(np.median([np.median(x[:half]) for x in per_seed])),
-                      "second_half": float(np.median([np.median(x[half:]) for x in per_seed]))}
-    return {"steps": FIG_STEPS, "test_accuracy": accuracy, "clip_tokens": clip}
+        out = {}
+        for key, name in (("clip_tokens", ""), ("clip_ceiling", "ceiling_")):
+            per_seed = [[r[key] for r in read_metrics(f"{loss}_s{s}") if r["stage"] == "rl"]
+                        for s in SEEDS]
+            out[name + "first_half"] = float(np.median([np.median(x[:half]) for x in per_seed]))
+            out[name + "second_half"] = float(np.median([np.median(x[half:]) for x in per_seed]))
+        clip[loss] = out
+    return {"steps": FIG_STEPS, "seeds": list(SEEDS), "runs": runs, "test_accuracy": accuracy,
+            "clip_tokens": clip}
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """GSPO in one file: Group Sequence Policy Optimization, annotated, on a model that learns on a laptop CPU.
 
-    python gspo_minimal.py                 # the default run (`make train`): ~1M-parameter model, 2-digit addition
+    python gspo_minimal.py                 # the default run (`make train`): 1.05M-parameter model, 2-digit addition
     python gspo_minimal.py --loss grpo     # the same run with GRPO's token-level objective
     python gspo_minimal.py --help          # every hyperparameter, with its meaning
 
@@ -18,13 +18,16 @@ and its perplexity PPL = exp(H), the same number is
     s = PPL_old(y) / PPL_new(y) = exp(H_old(y) - H_new(y))
 
 so GSPO scales the policy gradient by how much LESS perplexed the new policy is by the response.
-`importance_ratio`, `perplexity` and `cross_entropy` below compute the three forms; every training step
-computes all three side by side and logs their largest disagreement (round-off only).
+`importance_ratio` computes the first form, `perplexity` and `cross_entropy` the pieces of the other two,
+and `form_gap` all three side by side: every training step logs their largest disagreement to
+metrics.jsonl (`form_gap`, round-off only).
 
-Reading order: hyperparameters -> task and reward -> tokenizer -> model -> sampling -> group advantages
--> token log-probs -> the ratio identities -> the objectives (GSPO, GSPO-token, GRPO) -> warm-up ->
-GSPO training loop -> checkpoints -> main(). The functions from `token_logprobs` to `grpo_loss` need
-only torch and each other: copy them into your own trainer as they are.
+Reading order, which is the file's order: hyperparameters -> task and reward -> tokenizer -> model ->
+sampling -> group advantages -> token log-probs -> the ratio identities -> the objectives (GSPO,
+GSPO-token, GRPO) -> batches and evaluation -> warm-up -> one GSPO step (rollout, minibatch updates)
+-> the training loop, `train()`, in one place -> main(). Below main() sits the plumbing, behind a
+banner: the run folder, Ctrl-C, the command line. The functions from `group_advantages` to
+`grpo_loss` need only torch and each other: copy them into your own trainer as they are.
 
 Honest list of simplifications (each is named again where it happens):
   * The model is tiny (4 layers, width 128) and the task is synthetic arithmetic with an exact-match
@@ -32,12 +35,13 @@ Honest list of simplifications (each is named again where it happens):
     Face causal LM.
   * A short supervised warm-up comes first: RL learns only from groups that contain some successes,
     and a random model has none.
-  * No KL penalty and no reference model, as in the GSPO paper's own runs.
+  * No KL penalty and no reference model. The GSPO paper omits the KL term "for brevity" and
+    says nothing of its runs' KL; leaving it out is its first author's advice for GSPO in verl.
   * One optimiser step per minibatch, 4 minibatches per rollout (the paper's setting), so that
     all but the first update are off-policy: that is where GSPO and GRPO differ at all.
   * The advantage's std gets a small eps (1e-6, as verl); the paper leaves the convention open.
   * Sampling uses a hand-written KV-cached loop, not `model.generate` (as fast row for row, and
-    faster with each prompt run once per group; see `sample_completions`).
+    faster with each prompt run once per group; tutorial.md section 9.3 times both).
 """
 
 from __future__ import annotations
@@ -54,13 +58,14 @@ import signal
 import sys
 import textwrap
 import time
+import typing
 from dataclasses import dataclass
 
 import torch
 
 
 # ---------------------------------------------------------------------------------------------
-# Hyperparameters. The string under each field is its --help text (read by `field_help`).
+# Hyperparameters. The string under each field is its --help text (the command line at the end).
 # ---------------------------------------------------------------------------------------------
 @dataclass
 class Config:
@@ -95,7 +100,8 @@ class Config:
     temperature: float = 1.0
     """sampling temperature; the policy's log-probs use logits / temperature, so s = 1 on-policy"""
     out: str = "runs/train"
-    """output folder: metrics.jsonl, summary.json and checkpoint/ (Hugging Face format)"""
+    """output folder: metrics.jsonl, summary.json and checkpoint/ (Hugging Face format); the run
+    writes <out>.incomplete until its first checkpoint, and never touches what it did not write"""
     shuffle_rewards: bool = False
     """control experiment: permute rewards across the rollout, destroying the signal"""
     warmup_lr: float = 1e-3
@@ -123,12 +129,11 @@ TASKS = ("add2", "add3", "mul2")
 DEFAULT_EPS = {"gspo": (3e-4, 4e-4), "gspo-token": (3e-4, 4e-4), "grpo": (0.2, 0.27)}
 
 
-def field_help(cls=Config) -> dict[str, str]:
-    """Map each dataclass field to the string literal written under it."""
-    body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body
-    return {node.target.id: nxt.value.value
-            for node, nxt in zip(body, body[1:])
-            if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr)}
+def resolved_eps(cfg: Config) -> tuple[float, float]:
+    """The clip widths, defaulting to the loss's own (GSPO 3e-4/4e-4, GRPO 0.2/0.27)."""
+    low, high = DEFAULT_EPS[cfg.loss]
+    return (low if cfg.eps_low is None else cfg.eps_low,
+            high if cfg.eps_high is None else cfg.eps_high)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -215,7 +220,7 @@ def build_char_tokenizer():
 # Model: a tiny Llama (or Mixtral for --moe) built from a config, no download; or any hub model.
 # ---------------------------------------------------------------------------------------------
 def build_tiny_model(tokenizer, moe: bool = False):
-    """About 0.8M parameters dense (1.3M with 4 experts, 2 active per token)."""
+    """1.05M parameters dense; 1.84M with --moe (4 experts, 2 active per token)."""
     from transformers import LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM
 
     common = dict(vocab_size=len(tokenizer), hidden_size=128, num_hidden_layers=4,
@@ -241,6 +246,17 @@ def load_pretrained(name_or_path: str):
     return model, tokenizer
 
 
+def build(cfg: Config, device):
+    """Model and tokenizer: `--model` (a hub id or local folder), or the tiny built-in one.
+    The built-in model's weights come from torch's global seed (set by the caller)."""
+    if cfg.model:
+        model, tokenizer = load_pretrained(cfg.model)
+    else:
+        tokenizer = build_char_tokenizer()
+        model = build_tiny_model(tokenizer, moe=cfg.moe)
+    return model.to(device), tokenizer
+
+
 # ---------------------------------------------------------------------------------------------
 # Sampling: G completions per prompt with a KV cache; the completion mask from the first EOS.
 # ---------------------------------------------------------------------------------------------
@@ -256,7 +272,7 @@ def completion_mask(completions: torch.Tensor, eos_id: int) -> torch.Tensor:
 
 @torch.no_grad()
 def sample_completions(model, prompt_ids, prompt_mask, max_new_tokens: int, eos_id: int,
-                       pad_id: int, temperature: float = 1.0, suppress_eos: bool = False,
+                       pad_id: int, *, temperature: float = 1.0, suppress_eos: bool = False,
                        group_size: int = 1) -> torch.Tensor:
     """Sample one completion per row; temperature 0 is greedy. Returns (B, T) token ids, T <= max_new.
 
@@ -265,15 +281,11 @@ def sample_completions(model, prompt_ids, prompt_mask, max_new_tokens: int, eos_
     `suppress_eos` forbids EOS, so every row runs to max_new_tokens (experiments.py uses it to get
     long responses from a model whose answers are short).
 
-    A hand-written loop over a DynamicCache rather than `model.generate`. Measured side by side
-    (`python experiments.py sampler`, 256 completions, 2 CPU threads, medians): row for row the
-    two are within 6% (trained model 80.5 against 81.4 ms; untrained, which never stops early,
-    89.7 against 84.7 ms), and with each prompt run once per group (group_size=8, as `rollout`
-    calls it) the loop takes 56.5 ms, 1.4x faster than generate. Both spend their time in the
-    model's forward and the cache's concatenation, not in the loop. Every step of sampling is
-    here, the temperature matches `policy_logprobs` by construction, and greedy output equals
-    generate's token for token (test_hand_written_sampler_matches_generate_when_greedy).
-    Rows that have stopped keep receiving `pad_id`, and the loop ends when every row has stopped.
+    A hand-written loop over a DynamicCache rather than `model.generate`, so that every step of
+    sampling is in view and the temperature matches `policy_logprobs` by construction. Greedy
+    output equals generate's token for token (test_hand_written_sampler_matches_generate_when_greedy);
+    tutorial.md section 9.3 times the two side by side. Rows that have stopped keep receiving
+    `pad_id`, and the loop ends when every row has stopped.
     """
     from transformers import DynamicCache
 
@@ -311,7 +323,7 @@ def sample_completions(model, prompt_ids, prompt_mask, max_new_tokens: int, eos_
 # Group advantages (GSPO eq. 6): each response against the other responses to the same prompt.
 # ---------------------------------------------------------------------------------------------
 # A_i = (r_i - mean(r_1..r_G)) / (std(r_1..r_G) + eps),  std Bessel-corrected (TRL, verl).
-def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-6) -> torch.Tensor:
+def group_advantages(rewards: torch.Tensor, group_size: int, *, eps: float = 1e-6) -> torch.Tensor:
     """rewards (B,), laid out group after group -> advantages (B,).
 
     A group whose rewards are all equal carries no signal and gets exactly 0, detected explicitly:
@@ -382,6 +394,21 @@ def perplexity(logp, mask) -> torch.Tensor:
     return torch.exp(cross_entropy(logp, mask))
 
 
+# gap_i = max(|(PPL_old/PPL_new) / s - 1|, |exp(H_old - H_new) / s - 1|)
+def form_gap(logp_new, logp_old, mask) -> torch.Tensor:
+    """How far the three forms of s disagree, per row (B,): the largest relative gap of the
+    perplexity form and the cross-entropy form from `importance_ratio`.
+
+    Equal in exact arithmetic, so this is pure round-off: about 1e-7 in float32, 1e-16 in float64,
+    growing with |H| and |y|. Training logs its maximum every step. The perplexity form is computed
+    as written, so a row whose PPL overflows (H > 88.7 nats per token in float32) gives NaN.
+    """
+    s = importance_ratio(logp_new, logp_old, mask)                          # (B,)
+    s_ppl = perplexity(logp_old, mask) / perplexity(logp_new, mask)          # PPL_old / PPL_new
+    s_ent = torch.exp(cross_entropy(logp_old, mask) - cross_entropy(logp_new, mask))
+    return torch.maximum((s_ppl / s - 1).abs(), (s_ent / s - 1).abs())
+
+
 # ---------------------------------------------------------------------------------------------
 # The objectives. Each returns a loss to MINIMISE (the paper's J with its sign flipped).
 # PPO's clipped surrogate min(r A, clip(r, 1-eps_low, 1+eps_high) A) stops the gradient only on the
@@ -434,7 +461,8 @@ def gspo_token_loss(logp_new, logp_old, advantages, mask, eps_low: float = 3e-4,
 
 
 # w_it = pi_new(y_it) / pi_old(y_it)
-# J_GRPO = (1/G) sum_i (1/|y_i|) sum_t min(w_it A_i, clip(w_it, 1-eps, 1+eps) A_i)      (eq. 2)
+# J_GRPO = (1/G) sum_i (1/|y_i|) sum_t min(w_it A_i, clip(w_it, 1-eps_low, 1+eps_high) A_i)   (eq. 2;
+# the paper writes one eps, the asymmetric band is DAPO's "clip-higher", as in its GRPO baseline)
 def grpo_loss(logp_new, logp_old, advantages, mask, eps_low: float = 0.2,
               eps_high: float = 0.27) -> torch.Tensor:
     """GRPO: every token clipped on its own ratio; per-row token mean, then mean over rows."""
@@ -448,7 +476,7 @@ LOSS_FNS = {"gspo": gspo_loss, "gspo-token": gspo_token_loss, "grpo": grpo_loss}
 
 
 # ---------------------------------------------------------------------------------------------
-# Batches: prompts to tensors, and the policy's log-probs of given completions.
+# Batches: prompts to tensors, the policy's log-probs of given completions, and greedy accuracy.
 # ---------------------------------------------------------------------------------------------
 def encode_prompts(tokenizer, texts: list[str], device) -> tuple[torch.Tensor, torch.Tensor]:
     """Left-padded prompt ids and attention mask, both (B, P)."""
@@ -456,7 +484,7 @@ def encode_prompts(tokenizer, texts: list[str], device) -> tuple[torch.Tensor, t
     return enc.input_ids.to(device), enc.attention_mask.to(device)
 
 
-def policy_logprobs(model, prompt_ids, prompt_mask, completions, temperature: float = 1.0):
+def policy_logprobs(model, prompt_ids, prompt_mask, completions, *, temperature: float = 1.0):
     """log pi(y_t | x, y_<t) for every completion position: (B, T), differentiable.
 
     One forward pass over prompt + completion; logits_to_keep skips the prompt's logits, whose
@@ -468,12 +496,12 @@ def policy_logprobs(model, prompt_ids, prompt_mask, completions, temperature: fl
     T = completions.shape[1]
     logits = model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=False,
                    logits_to_keep=T + 1).logits[:, :-1]                 # (B, T, V): predicts y_1..y_T
-    if temperature > 0:
+    if temperature > 0:                        # 0 leaves the logits as they are (the warm-up's NLL)
         logits = logits / temperature          # the sampler's distribution, so s = 1 on-policy
     return token_logprobs(logits, completions)
 
 
-def group_policy_logprobs(model, prompt_ids, prompt_mask, completions, group_size: int,
+def group_policy_logprobs(model, prompt_ids, prompt_mask, completions, group_size: int, *,
                           temperature: float = 1.0):
     """`policy_logprobs` for rows in groups of `group_size` identical prompts, prompt run once per group.
 
@@ -481,8 +509,8 @@ def group_policy_logprobs(model, prompt_ids, prompt_mask, completions, group_siz
     its keys and values are repeated for the group's G completions, and the completions run on top
     of them. The same numbers as `policy_logprobs`, gradient included: autograd sums the G
     completions' gradients back into the one prompt pass (test_group_policy_logprobs_match_...).
-    Our prompts (6 tokens) are longer than our answers (3-5 with EOS): this skips nearly half of the
-    positions a pass would compute.
+    For add2 the prompts (6 tokens) are longer than the answers (2-4 with EOS): this skips nearly
+    half of the positions a pass would compute.
     """
     from transformers import DynamicCache
 
@@ -535,12 +563,15 @@ def supervised_loss(model, tokenizer, task: str, problems, device) -> torch.Tens
     target = torch.tensor([ans + [tokenizer.pad_token_id] * (T - len(ans)) for ans in answers],
                           device=device)                                 # (B, T)
     mask = torch.tensor([[t < len(ans) for t in range(T)] for ans in answers], device=device)
-    logp = policy_logprobs(model, ids, attn, target, temperature=0.0)   # (B, T)
+    logp = policy_logprobs(model, ids, attn, target, temperature=0.0)   # (B, T); 0: logits unscaled
     return -masked_mean(logp.flatten(), mask.flatten())
 
 
 def warmup(model, tokenizer, splits, cfg: Config, device, rng: random.Random, run, stop) -> int:
-    """Train on correct answers until validation accuracy >= cfg.warmup_target. Returns steps taken."""
+    """Train on correct answers until validation accuracy >= cfg.warmup_target. Returns steps taken.
+
+    `run.log` records progress; `stop.requested` turns true after Ctrl-C (both defined at the end).
+    """
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.warmup_lr)
     val_acc = accuracy(model, tokenizer, cfg.task, splits["val"], cfg.max_new_tokens, device)
     step = 0
@@ -554,7 +585,7 @@ def warmup(model, tokenizer, splits, cfg: Config, device, rng: random.Random, ru
         if step % 20 == 0:       # supervised accuracy jumps suddenly: look often, it costs little
             val_acc = accuracy(model, tokenizer, cfg.task, splits["val"], cfg.max_new_tokens, device)
             run.log({"stage": "warmup", "step": step, "loss": loss.item(), "val_acc": val_acc},
-                    f"warm-up {step} | loss {loss.item():.3f} | val acc {val_acc:.2f}")
+                    f"warm-up {step} | loss {loss.item():.3f} | val_acc {val_acc:.2f}")
     return step
 
 
@@ -569,7 +600,7 @@ def rollout(model, tokenizer, problems, cfg: Config, device) -> dict:
     prompt_ids, prompt_mask = encode_prompts(tokenizer, texts, device)            # (B, P)
     completions = sample_completions(model, prompt_ids, prompt_mask, cfg.max_new_tokens,
                                      tokenizer.eos_token_id, tokenizer.pad_token_id,
-                                     cfg.temperature, group_size=G)                 # (B, T)
+                                     temperature=cfg.temperature, group_size=G)     # (B, T)
     mask = completion_mask(completions, tokenizer.eos_token_id)                    # (B, T)
     answers = [answer_text(cfg.task, a, b) for a, b in problems for _ in range(G)]
     rewards = torch.tensor([reward(row, ans, tokenizer) for row, ans in
@@ -580,26 +611,32 @@ def rollout(model, tokenizer, problems, cfg: Config, device) -> dict:
             "mask": mask, "rewards": rewards, "advantages": group_advantages(rewards, G)}
 
 
+def flat_group_share(rewards: torch.Tensor, group_size: int) -> float:
+    """Share of groups whose rewards are all equal: their advantages are 0, they teach nothing."""
+    r = rewards.reshape(-1, group_size)                                     # (B/G, G)
+    return (r == r[:, :1]).all(1).float().mean().item()
+
+
 def ratio_metrics(logp_new, logp_old, adv, mask, loss: str, eps_low: float, eps_high: float) -> dict:
-    """The three forms of s side by side, and the clip fraction counted per completion token.
+    """s, the three forms' disagreement, and the clip counts of one minibatch.
 
     A token counts as clipped when its objective term sits on the clipped, zero-gradient side of
-    the min. For GSPO a clipped sequence clips all of its tokens (as the GSPO paper counts them),
-    so that `clip_tokens` has one unit for GSPO and GRPO alike; `clip_seqs` is GSPO's own count.
+    the min (the "active side": s > 1+eps_high with A > 0, s < 1-eps_low with A < 0). For GSPO a
+    clipped sequence clips all of its tokens (our reading of GSPO §5.2, and what verl's
+    pg_clipfrac counts), so that `clip_tokens` has one unit for GSPO and GRPO; `clip_seqs` counts
+    GSPO's sequences.
     """
     keep = mask != 0
     s = importance_ratio(logp_new, logp_old, mask)                          # (B,)
-    s_ppl = perplexity(logp_old, mask) / perplexity(logp_new, mask)          # PPL_old / PPL_new
-    s_ent = torch.exp(cross_entropy(logp_old, mask) - cross_entropy(logp_new, mask))
-    gap = torch.maximum((s_ppl / s - 1).abs(), (s_ent / s - 1).abs())
     seq_clipped = clipped_on_active_side(s, adv, eps_low, eps_high)          # (B,)
     if loss == "grpo":
         w = torch.exp(torch.where(keep, logp_new - logp_old, torch.zeros_like(logp_new)))
         tok_clipped = clipped_on_active_side(w, adv.unsqueeze(-1), eps_low, eps_high) & keep
     else:
         tok_clipped = seq_clipped.unsqueeze(-1) & keep
-    return {"s": s, "form_gap": gap.max().item(), "clipped_tokens": tok_clipped.sum().item(),
-            "tokens": keep.sum().item(), "clipped_seqs": seq_clipped.sum().item()}
+    return {"s": s, "form_gap": form_gap(logp_new, logp_old, mask).max().item(),   # counts, not shares:
+            "n_clip_tokens": tok_clipped.sum().item(), "n_tokens": keep.sum().item(),
+            "n_clip_seqs": seq_clipped.sum().item()}
 
 
 def group_chunks(n_rows: int, group_size: int, minibatches: int, device) -> list[torch.Tensor]:
@@ -612,6 +649,22 @@ def group_chunks(n_rows: int, group_size: int, minibatches: int, device) -> list
             for grp in groups]
 
 
+def summarise_minibatches(logs: list[dict]) -> dict:
+    """One step's metrics from its minibatches' `ratio_metrics` (each with "loss", "n_clip_ceiling").
+
+    `clip_ceiling` is the share of the step's tokens that could clip at all: `clip_tokens` never
+    exceeds it, whatever the band.
+    """
+    s = torch.cat([m["s"] for m in logs])                                  # (B,)
+    tokens = max(sum(m["n_tokens"] for m in logs), 1)
+    return {"loss": sum(m["loss"] for m in logs) / len(logs), "s_mean": s.mean().item(),
+            "s_min": s.min().item(), "s_max": s.max().item(),
+            "clip_tokens": sum(m["n_clip_tokens"] for m in logs) / tokens,
+            "clip_seqs": sum(m["n_clip_seqs"] for m in logs) / len(s),
+            "clip_ceiling": sum(m.get("n_clip_ceiling", 0) for m in logs) / tokens,
+            "form_gap": max(m["form_gap"] for m in logs)}
+
+
 def rl_update(model, opt, batch: dict, cfg: Config, eps_low: float, eps_high: float) -> dict:
     """Split one rollout into `minibatches` chunks of whole groups and take one clipped step on each.
 
@@ -619,14 +672,14 @@ def rl_update(model, opt, batch: dict, cfg: Config, eps_low: float, eps_high: fl
     chunk's advantages sum to 0 group by group (TRL shuffles single completions instead).
     pi_old is the policy that sampled the rollout: for the first chunk it is the update's own
     forward pass, detached, so s = 1 exactly there; for the others, one pass BEFORE the first
-    update. Every later chunk is off-policy.
+    update. Every later chunk is off-policy. Returns the step's metrics (`summarise_minibatches`).
     """
     loss_fn, G = LOSS_FNS[cfg.loss], cfg.group_size
     chunks = group_chunks(len(batch["rewards"]), G, cfg.minibatches, batch["rewards"].device)
 
     def logprobs(idx):                                                   # (len(idx), T)
         return group_policy_logprobs(model, batch["prompt_ids"][idx], batch["prompt_mask"][idx],
-                                     batch["completions"][idx], G, cfg.temperature)
+                                     batch["completions"][idx], G, temperature=cfg.temperature)
     with torch.no_grad():                      # pi_old of chunks 2, 3, ... in one pass, before any update
         later = (logprobs(torch.cat(chunks[1:])).split([len(c) for c in chunks[1:]])
                  if len(chunks) > 1 else [])
@@ -641,36 +694,205 @@ def rl_update(model, opt, batch: dict, cfg: Config, eps_low: float, eps_high: fl
         if cfg.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
         opt.step()
+        # a token can clip only off-policy (s = 1 in chunk 1) and only with A != 0 (no flat group)
+        could_clip = 0 if k == 0 else ((mask != 0) & (adv != 0).unsqueeze(-1)).sum().item()
         logs.append({**ratio_metrics(logp_new.detach(), logp_old, adv, mask, cfg.loss, eps_low,
-                                     eps_high), "loss": loss.item()})
+                                     eps_high), "loss": loss.item(), "n_clip_ceiling": could_clip})
     return summarise_minibatches(logs)
 
 
-def summarise_minibatches(logs: list[dict]) -> dict:
-    """One step's log from its minibatches' `ratio_metrics`, each with its "loss"."""
-    s = torch.cat([m["s"] for m in logs])                                  # (B,)
-    tokens = sum(m["tokens"] for m in logs)
-    return {"loss": sum(m["loss"] for m in logs) / len(logs), "s_mean": s.mean().item(),
-            "s_min": s.min().item(), "s_max": s.max().item(),
-            "clip_tokens": sum(m["clipped_tokens"] for m in logs) / max(tokens, 1),
-            "clip_seqs": sum(m["clipped_seqs"] for m in logs) / len(s),
-            "form_gap": max(m["form_gap"] for m in logs)}
+# ---------------------------------------------------------------------------------------------
+# The training loop: warm-up, then GSPO steps, then the test set. The whole run is `train()`.
+# ---------------------------------------------------------------------------------------------
+def rl_optimizer(model, cfg: Config):
+    """AdamW (weight decay 0.01, torch's default) with the learning rate decayed linearly to 0 over
+    the RL steps, TRL's default schedule as well. Fused: one kernel for all parameters instead of
+    a Python loop over them, as transformers' Trainer does."""
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, fused=True)
+    return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 1 - i / cfg.steps)
 
 
-# ---------------------------------------------------------------------------------------------
-# The run folder: metrics.jsonl, atomic checkpoints, summary.json.
-# ---------------------------------------------------------------------------------------------
+def progress_line(step: int, cfg: Config, m: dict) -> str:
+    """One line per step, each number under its metrics.jsonl name; [s_min, s_max] after s_mean."""
+    acc = f" | val_acc {m['val_acc']:.2f}" if "val_acc" in m else ""
+    return (f"step {step}/{cfg.steps} | reward {m['reward']:.2f}{acc} | "
+            f"s_mean {m['s_mean']:.4f} [{m['s_min']:.4f}, {m['s_max']:.4f}] | "
+            f"clip_tokens {m['clip_tokens']:.3f} | flat_groups {m['flat_groups']:.2f} | "
+            f"response_tokens {m['response_tokens']:.1f} | "
+            f"tokens_per_second {m['tokens_per_second'] / 1e3:.1f}k")
+
+
+def train(cfg: Config, model, tokenizer, device, run, stop) -> dict:
+    """The whole run: supervised warm-up, `cfg.steps` GSPO steps, then the test set.
+
+    `run` writes the run folder (`run.log`, `run.checkpoint`, `run.write_summary`) and `stop`
+    turns `stop.requested` true after a Ctrl-C: plumbing, both defined after `main`. The run ends
+    between steps; a second Ctrl-C (KeyboardInterrupt) ends it at once. Either way a final
+    checkpoint and the test accuracy follow. Returns what summary.json holds.
+    """
+    splits = make_splits(cfg.task, cfg.test_size, cfg.val_size)
+    rng = random.Random(cfg.seed)                  # training prompts; the held-out splits are fixed
+    eps_low, eps_high = resolved_eps(cfg)
+    G = cfg.group_size
+    summary = {"seed": cfg.seed, "loss": cfg.loss, "eps_low": eps_low, "eps_high": eps_high,
+               "warmup_steps": None, "accuracy_before_rl": None, "interrupted": False,
+               "rl_steps": 0, "rl_tokens": 0, "rl_seconds": 0.0, "config": dataclasses.asdict(cfg)}
+    try:
+        # 1. Supervised warm-up until validation accuracy reaches cfg.warmup_target; then the test
+        #    accuracy it reached and the first checkpoint (the run folder appears in --out here).
+        summary["warmup_steps"] = warmup(model, tokenizer, splits, cfg, device, rng, run, stop)
+        summary["accuracy_before_rl"] = accuracy(model, tokenizer, cfg.task, splits["test"],
+                                                 cfg.max_new_tokens, device)
+        run.checkpoint(model, tokenizer)
+        print(f"warm-up done after {summary['warmup_steps']} steps | "
+              f"test acc {summary['accuracy_before_rl']:.3f}", flush=True)
+
+        # 2. GSPO: each step is one rollout and `minibatches` optimiser steps on it.
+        opt, sched = rl_optimizer(model, cfg)
+        for step in range(1, cfg.steps + 1):
+            if stop.requested:
+                break
+            t0 = time.perf_counter()
+            # Rollout: G completions for each of `prompts_per_step` fresh training problems, their
+            # rewards, and the group advantages. The model as it is now is pi_old.
+            problems = sample_train_problems(splits, cfg.task, cfg.prompts_per_step, rng)
+            batch = rollout(model, tokenizer, problems, cfg, device)
+            # Update: one clipped step per minibatch of whole groups; all but the first off-policy.
+            m = rl_update(model, opt, batch, cfg, eps_low, eps_high)
+            sched.step()                                 # the learning rate decays once per rollout
+            # Evaluate on the validation set, and checkpoint, every `eval_every` steps and at the end.
+            if step % cfg.eval_every == 0 or step == cfg.steps:
+                m["val_acc"] = accuracy(model, tokenizer, cfg.task, splits["val"],
+                                        cfg.max_new_tokens, device)
+                run.checkpoint(model, tokenizer)
+            # Log: one object in metrics.jsonl and one progress line, the same names in both.
+            n_tok = int(batch["mask"].sum())             # completion tokens sampled, EOS included
+            dt = time.perf_counter() - t0                # the whole step, evaluation included
+            m.update(reward=batch["rewards"].mean().item(),
+                     flat_groups=flat_group_share(batch["rewards"], G),
+                     response_tokens=n_tok / len(batch["rewards"]),
+                     tokens_per_second=n_tok / dt, step_seconds=dt)
+            summary["rl_steps"] = step
+            summary["rl_tokens"] += n_tok
+            summary["rl_seconds"] += dt
+            run.log({"stage": "rl", "step": step, **m}, progress_line(step, cfg, m))
+    except KeyboardInterrupt:                            # the second Ctrl-C: stop where we are
+        pass
+
+    # 3. The end, after Ctrl-C too: a final checkpoint, and the final model's test accuracy.
+    summary["interrupted"] = stop.requested
+    if stop.requested:
+        print("interrupted: writing a final checkpoint and summary.json", file=sys.stderr)
+    run.checkpoint(model, tokenizer)
+    summary["accuracy_after_rl"] = accuracy(model, tokenizer, cfg.task, splits["test"],
+                                            cfg.max_new_tokens, device)
+    summary["rl_tokens_per_second"] = summary["rl_tokens"] / max(summary["rl_seconds"], 1e-9)
+    summary["wall_seconds"] = time.perf_counter() - run.t_start     # the whole run, set-up included
+    run.write_summary(summary)
+    return summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse the flags (bad input: one line, exit 2), build the model, train, report.
+    Exit code 0, or 130 when Ctrl-C ended the run."""
+    t_start = time.perf_counter()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        cfg = parse_config(argv)
+    except BadInput as err:
+        print(f"gspo_minimal.py: error: {err}", file=sys.stderr)
+        return 2
+    device, model, tokenizer = prepare(cfg)
+    n_params = sum(p.numel() for p in model.parameters())
+    print(f"{cfg.loss} | {type(model).__name__} {n_params / 1e6:.2f}M params | {cfg.task} | "
+          f"device {device} | seed {cfg.seed} | out {cfg.out}", flush=True)
+    try:
+        run = Run(cfg.out, t_start, command=" ".join(["python gspo_minimal.py", *argv]))
+    except RuntimeError as err:              # --out changed since it was checked: one line, exit 2
+        print(f"gspo_minimal.py: error: {err}", file=sys.stderr)
+        return 2
+    with GracefulStop() as stop:
+        summary = train(cfg, model, tokenizer, device, run, stop)
+    before = summary["accuracy_before_rl"]
+    print(f"test accuracy: {'n/a' if before is None else f'{before:.3f}'} after warm-up -> "
+          f"{summary['accuracy_after_rl']:.3f} after RL | {summary['wall_seconds']:.0f} s | "
+          f"{os.path.relpath(run.dir)}/summary.json", flush=True)
+    return 130 if summary["interrupted"] else 0
+
+
+# =============================================================================================
+# Nothing below is GSPO: the run folder, Ctrl-C, the command line.
+# =============================================================================================
+# --- The run folder: metrics.jsonl, atomic checkpoints, summary.json --------------------------
 MARKER = ".gspo_minimal_run"   # says "this script wrote this folder", so it may be replaced
+# everything this script (or trl_compare.py) writes into a run folder; anything else is the user's
+OURS = {MARKER, "metrics.jsonl", "summary.json", "summary.json.tmp", "checkpoint", "checkpoint.tmp",
+        "checkpoint.old", "trl_output"}
 
 
-def foreign_files(folder: str) -> bool:
-    """True when `folder` exists, holds something and was not written by this script."""
-    return os.path.isdir(folder) and bool(os.listdir(folder)) and not os.path.exists(
-        os.path.join(folder, MARKER))
+def written_by_us(path: str) -> bool:
+    """A real folder (not a link) holding our marker file and nothing we would not write."""
+    return (os.path.isdir(path) and not os.path.islink(path)
+            and os.path.isfile(os.path.join(path, MARKER)) and set(os.listdir(path)) <= OURS)
 
 
-def _swap_in(new: str, final: str) -> None:
-    """Replace `final` by the complete folder `new`; `final` never holds a partial state."""
+def live_writer(path: str) -> int | None:
+    """The pid of another live process writing the run folder `path`, or None."""
+    try:
+        with open(os.path.join(path, MARKER)) as f:
+            pid = int(f.read().strip() or 0)
+        if pid and pid != os.getpid():
+            os.kill(pid, 0)                   # raises when no such process
+            return pid
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def out_problem(out: str) -> str | None:
+    """Why `out` cannot hold a run, or None. Checked before the model is built.
+
+    A run writes `<out>.incomplete` first and swaps through `<out>.old`. `out` must be absent, an
+    empty folder or a folder this script wrote (marker, nothing else added); `<out>.incomplete`
+    absent or a leftover of a run of this script that is no longer alive; `<out>.old` absent (only a
+    run killed in the middle of a swap leaves one: it may hold that earlier run); and the nearest
+    existing parent a folder we can write in. Nothing else is ever touched.
+    """
+    out = os.path.abspath(out)          # `.` and `a/..` name a folder; its siblings sit beside it
+    if os.path.lexists(out) and not written_by_us(out):
+        if os.path.islink(out) or not os.path.isdir(out):
+            return f"--out {out} exists and is not a folder; choose a folder path"
+        if os.listdir(out):
+            return f"--out {out} holds files this script did not write; choose another folder"
+    incomplete, old = out + ".incomplete", out + ".old"
+    if os.path.lexists(incomplete) and not written_by_us(incomplete):
+        return (f"--out {out}: {incomplete} exists and this script did not write it; "
+                "move it or choose another folder")
+    if live_writer(incomplete):
+        return f"--out {out}: another run (pid {live_writer(incomplete)}) is writing it"
+    if os.path.lexists(old):
+        return (f"--out {out}: {old} exists (a run stopped in the middle of replacing an earlier "
+                "one leaves it; it may hold that run): move it or delete it")
+    parent = os.path.dirname(out)
+    while not os.path.lexists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        return f"--out {out}: {parent} is a file, not a folder"
+    if not os.access(parent, os.W_OK | os.X_OK):
+        return f"--out {out}: cannot create anything in {parent}"
+    return None
+
+
+def remove_ours(path: str) -> None:
+    """Delete `path` if this script wrote it; refuse to touch anything else."""
+    if written_by_us(path):
+        shutil.rmtree(path)
+    elif os.path.lexists(path):
+        raise RuntimeError(f"{path} was not written by gspo_minimal.py: left as it is")
+
+
+def replace_folder(new: str, final: str) -> None:
+    """Inside a run folder: replace `final` by the complete folder `new` (rename is atomic)."""
     old = final + ".old"
     shutil.rmtree(old, ignore_errors=True)
     if os.path.exists(final):
@@ -681,14 +903,21 @@ def _swap_in(new: str, final: str) -> None:
 
 class Run:
     """Writes into `<out>.incomplete` until the first checkpoint is complete, then swaps it in for
-    `<out>`: an earlier run in `out` survives a new run that dies before its first checkpoint."""
+    `<out>`: an earlier run in `out` survives a new run that dies before its first checkpoint.
+    Only folders marked as this script's are ever replaced or deleted (`out_problem`)."""
 
-    def __init__(self, out: str, t_start: float | None = None):
-        self.out, self.dir = out, out + ".incomplete"
+    def __init__(self, out: str, t_start: float | None = None, command: str = ""):
+        self.out = os.path.abspath(out)
+        self.dir = self.out + ".incomplete"
         self.t_start = time.perf_counter() if t_start is None else t_start
-        shutil.rmtree(self.dir, ignore_errors=True)
+        self.command = command
+        problem = out_problem(self.out)
+        if problem:
+            raise RuntimeError(problem)
+        remove_ours(self.dir)                   # a leftover of a run that was killed
         os.makedirs(self.dir)
-        open(os.path.join(self.dir, MARKER), "w").close()
+        with open(os.path.join(self.dir, MARKER), "w") as f:
+            f.write(str(os.getpid()))           # so that a second run on the same --out refuses
         self.promoted = False
 
     def log(self, record: dict, line: str | None = None) -> None:
@@ -703,21 +932,61 @@ class Run:
         shutil.rmtree(tmp, ignore_errors=True)
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        _swap_in(tmp, os.path.join(self.dir, "checkpoint"))
+        replace_folder(tmp, os.path.join(self.dir, "checkpoint"))
         if not self.promoted:
-            _swap_in(self.dir, self.out)
-            self.dir, self.promoted = self.out, True
+            self.promote()
+
+    def promote(self) -> None:
+        """`<out>.incomplete` becomes `<out>`; an earlier run there goes (ours only)."""
+        old = self.out + ".old"
+        remove_ours(old)
+        if written_by_us(self.out):
+            os.rename(self.out, old)
+        elif os.path.isdir(self.out) and not os.path.islink(self.out) and not os.listdir(self.out):
+            os.rmdir(self.out)                         # an empty folder made for this run
+        elif os.path.lexists(self.out):
+            raise RuntimeError(f"{self.out} now holds files this script did not write: left as it "
+                               f"is; this run is in {self.dir}")
+        os.rename(self.dir, self.out)
+        remove_ours(old)
+        self.dir, self.promoted = self.out, True
 
     def write_summary(self, summary: dict) -> None:
+        """summary.json, with the keys every JSON of this project carries (`provenance`)."""
+        summary = {**summary, **provenance(self.command, summary.get("wall_seconds"))}
         tmp = os.path.join(self.dir, "summary.json.tmp")
         with open(tmp, "w") as f:
             json.dump(summary, f, indent=2)
         os.replace(tmp, os.path.join(self.dir, "summary.json"))
 
 
-# ---------------------------------------------------------------------------------------------
-# The training loop.
-# ---------------------------------------------------------------------------------------------
+def provenance(command: str, seconds: float | None) -> dict:
+    """command, seconds, measured_at_commit (+ dirty), versions, threads: what made a result."""
+    import platform
+    import subprocess
+
+    import transformers
+    here = os.path.dirname(os.path.abspath(__file__))
+
+    def git(*args):
+        try:
+            return subprocess.run(["git", "-C", here, *args], capture_output=True, text=True,
+                                  timeout=10).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return ""
+    versions = {"python": platform.python_version(), "torch": torch.__version__,
+                "transformers": transformers.__version__}
+    for extra in ("trl", "gguf"):
+        if extra in sys.modules:
+            versions[extra] = getattr(sys.modules[extra], "__version__", "unknown")
+    out = {"command": command, "seconds": seconds, "measured_at_commit": git("rev-parse", "HEAD") or None,
+           "versions": versions, "threads": torch.get_num_threads()}
+    if out["measured_at_commit"] and git("status", "--porcelain"):
+        out["dirty"] = True
+    return out
+
+
+# --- Ctrl-C -----------------------------------------------------------------------------------
 class GracefulStop:
     """The first Ctrl-C asks the run to stop after the current step; a second one stops at once.
 
@@ -726,7 +995,7 @@ class GracefulStop:
     """
 
     def __enter__(self):
-        self.requested, self.previous = False, None
+        self.requested, self.interrupted, self.previous = False, False, None
         try:
             self.previous = signal.signal(signal.SIGINT, self._handle)
         except ValueError:          # not the main thread: Ctrl-C keeps its default behaviour
@@ -734,8 +1003,13 @@ class GracefulStop:
         return self
 
     def _handle(self, signum, frame):
-        if self.requested:
+        if self.requested and not self.interrupted:
+            self.interrupted = True
             raise KeyboardInterrupt
+        if self.interrupted:                  # the final checkpoint is being written: let it finish
+            print("\nCtrl-C: writing the final checkpoint and summary.json", file=sys.stderr,
+                  flush=True)
+            return
         self.requested = True
         print("\nCtrl-C: stopping after this step (press again to stop at once)", file=sys.stderr,
               flush=True)
@@ -745,104 +1019,7 @@ class GracefulStop:
             signal.signal(signal.SIGINT, self.previous)
 
 
-def progress_line(step: int, cfg: Config, m: dict) -> str:
-    acc = f" | val acc {m['val_acc']:.2f}" if "val_acc" in m else ""
-    return (f"step {step}/{cfg.steps} | reward {m['reward']:.2f}{acc} | "
-            f"s {m['s_mean']:.4f} [{m['s_min']:.4f}, {m['s_max']:.4f}] | "
-            f"clip {m['clip_tokens']:.3f} | flat groups {m['zero_spread']:.2f} | "
-            f"len {m['resp_len']:.1f} | {m['tok_per_s'] / 1e3:.1f}k tok/s")
-
-
-def rl_optimizer(model, cfg: Config):
-    """AdamW (weight decay 0.01, torch's default) with the learning rate decayed linearly to 0 over
-    the RL steps, TRL's default schedule as well. Fused: one kernel for all parameters instead of
-    a Python loop over them, as transformers' Trainer does."""
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, fused=True)
-    return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 1 - i / cfg.steps)
-
-
-def train(cfg: Config, model, tokenizer, device, run: Run, stages=None) -> dict:
-    """Warm-up, then GSPO. Returns summary.json's contents; Ctrl-C ends it cleanly.
-
-    `stages` (default `run_stages`) does the training; trl_compare.py passes one whose RL steps
-    are TRL's, and everything around it (summary, Ctrl-C, final checkpoint, test) stays the same.
-    """
-    splits = make_splits(cfg.task, cfg.test_size, cfg.val_size)
-    eps_low, eps_high = resolved_eps(cfg)
-    summary = {"seed": cfg.seed, "loss": cfg.loss, "eps_low": eps_low, "eps_high": eps_high,
-               "accuracy_before_rl": None, "interrupted": False, "rl_steps": 0, "rl_tokens": 0,
-               "rl_seconds": 0.0, "config": dataclasses.asdict(cfg)}
-    with GracefulStop() as stop:
-        try:
-            (stages or run_stages)(cfg, model, tokenizer, device, run, splits, summary, stop)
-        except KeyboardInterrupt:                     # the second Ctrl-C: stop where we are
-            pass
-        summary["interrupted"] = stop.requested
-        if stop.requested:
-            print("interrupted: writing a final checkpoint and summary.json", file=sys.stderr)
-        run.checkpoint(model, tokenizer)
-        summary["accuracy_after_rl"] = accuracy(model, tokenizer, cfg.task, splits["test"],
-                                                cfg.max_new_tokens, device)
-    summary["rl_tokens_per_second"] = summary["rl_tokens"] / max(summary["rl_seconds"], 1e-9)
-    summary["wall_seconds"] = time.perf_counter() - run.t_start     # the whole run, set-up included
-    run.write_summary(summary)
-    return summary
-
-
-def run_stages(cfg: Config, model, tokenizer, device, run: Run, splits, summary: dict, stop) -> None:
-    """The warm-up, the first checkpoint, then the GSPO steps; progress is recorded in `summary`."""
-    rng = random.Random(cfg.seed)
-    eps_low, eps_high = summary["eps_low"], summary["eps_high"]
-    warmup_stage(cfg, model, tokenizer, device, run, splits, summary, stop, rng)
-    opt, sched = rl_optimizer(model, cfg)
-    for step in range(1, cfg.steps + 1):
-        if stop.requested:
-            break
-        t0 = time.perf_counter()
-        batch = rollout(model, tokenizer,
-                        sample_train_problems(splits, cfg.task, cfg.prompts_per_step, rng),
-                        cfg, device)
-        m = rl_update(model, opt, batch, cfg, eps_low, eps_high)
-        sched.step()
-        n_tok = int(batch["mask"].sum())
-        m.update(reward=batch["rewards"].mean().item(),
-                 zero_spread=(batch["advantages"].reshape(-1, cfg.group_size) == 0).all(1)
-                 .float().mean().item(),
-                 resp_len=n_tok / len(batch["rewards"]))
-        finish_rl_step(step, m, n_tok, t0, cfg, model, tokenizer, device, run, splits, summary)
-
-
-def warmup_stage(cfg: Config, model, tokenizer, device, run: Run, splits, summary: dict, stop,
-                 rng: random.Random) -> None:
-    """The warm-up, the test accuracy it reaches, and the first checkpoint."""
-    summary["warmup_steps"] = warmup(model, tokenizer, splits, cfg, device, rng, run, stop)
-    summary["accuracy_before_rl"] = accuracy(model, tokenizer, cfg.task, splits["test"],
-                                             cfg.max_new_tokens, device)
-    run.checkpoint(model, tokenizer)
-    print(f"warm-up done after {summary['warmup_steps']} steps | "
-          f"test acc {summary['accuracy_before_rl']:.3f}", flush=True)
-
-
-def finish_rl_step(step: int, m: dict, n_tok: int, t0: float, cfg: Config, model, tokenizer,
-                   device, run: Run, splits, summary: dict) -> float:
-    """Evaluate and checkpoint every `eval_every` steps, then log the step (begun at t0) and add
-    it to `summary`. Returns the time it ended."""
-    if step % cfg.eval_every == 0 or step == cfg.steps:
-        m["val_acc"] = accuracy(model, tokenizer, cfg.task, splits["val"], cfg.max_new_tokens, device)
-        run.checkpoint(model, tokenizer)
-    now = time.perf_counter()
-    dt = now - t0
-    m.update(tok_per_s=n_tok / dt, step_seconds=dt)
-    summary["rl_steps"] = step
-    summary["rl_tokens"] += n_tok
-    summary["rl_seconds"] += dt
-    run.log({"stage": "rl", "step": step, **m}, progress_line(step, cfg, m))
-    return now
-
-
-# ---------------------------------------------------------------------------------------------
-# Command line: every bad input gets one line on stderr and exit code 2, before any heavy work.
-# ---------------------------------------------------------------------------------------------
+# --- The command line: every bad input gets one line on stderr and exit code 2 -----------------
 class BadInput(Exception):
     pass
 
@@ -852,25 +1029,39 @@ class _Parser(argparse.ArgumentParser):
         raise BadInput(message)
 
 
-def resolved_eps(cfg: Config) -> tuple[float, float]:
-    """The clip widths, defaulting to the loss's own (GSPO 3e-4/4e-4, GRPO 0.2/0.27)."""
-    low, high = DEFAULT_EPS[cfg.loss]
-    return (low if cfg.eps_low is None else cfg.eps_low,
-            high if cfg.eps_high is None else cfg.eps_high)
+def field_help(cls=Config) -> dict[str, str]:
+    """Map each dataclass field (inherited ones too) to the string literal written under it."""
+    helps: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        if not dataclasses.is_dataclass(klass):
+            continue
+        body = ast.parse(textwrap.dedent(inspect.getsource(klass))).body[0].body
+        helps.update({node.target.id: nxt.value.value
+                      for node, nxt in zip(body, body[1:])
+                      if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr)})
+    return helps
 
 
-def parse_config(argv: list[str] | None = None) -> Config:
-    helps = field_help()
-    parser = _Parser(description="GSPO on a tiny model: " + __doc__.splitlines()[0],
+def build_parser(cls=Config) -> argparse.ArgumentParser:
+    """One flag per dataclass field, typed from its annotation: bool is a switch, `X | None` takes
+    an X (None, the default, means "not given")."""
+    helps, hints = field_help(cls), typing.get_type_hints(cls)
+    parser = _Parser(description="GSPO in one file: Group Sequence Policy Optimization, annotated.",
                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    for f in dataclasses.fields(Config):
-        flag = "--" + f.name.replace("_", "-")
-        if f.type == "bool":
-            parser.add_argument(flag, action="store_true", help=helps[f.name])
-        else:
-            kind = {"int": int, "float": float, "str": str, "float | None": float}[f.type]
-            parser.add_argument(flag, type=kind, default=f.default, help=helps[f.name])
-    cfg = Config(**vars(parser.parse_args(argv)))
+    for f in dataclasses.fields(cls):
+        flag, kind = "--" + f.name.replace("_", "-"), hints[f.name]
+        if kind is bool:
+            parser.add_argument(flag, action="store_true", help=helps.get(f.name, ""))
+            continue
+        options = [t for t in typing.get_args(kind) if t is not type(None)]
+        if options:                                          # int | None -> int
+            kind = options[0]
+        parser.add_argument(flag, type=kind, default=f.default, help=helps.get(f.name, ""))
+    return parser
+
+
+def parse_config(argv: list[str] | None = None, cls=Config) -> Config:
+    cfg = cls(**vars(build_parser(cls).parse_args(argv)))
     validate(cfg)
     return cfg
 
@@ -895,14 +1086,24 @@ def validate(cfg: Config) -> None:
     for name in ("lr", "warmup_lr"):
         if not getattr(cfg, name) > 0:
             raise BadInput(f"--{name.replace('_', '-')} must be positive, got {getattr(cfg, name)}")
-    if cfg.temperature < 0 or cfg.warmup_max_steps < 0 or cfg.threads < 0:
-        raise BadInput("--temperature, --warmup-max-steps and --threads cannot be negative")
+    if not cfg.temperature > 0:
+        raise BadInput(f"--temperature must be positive (at 0 all G completions of a prompt are "
+                       f"the same, so every group is flat), got {cfg.temperature}")
+    if cfg.warmup_max_steps < 0 or cfg.threads < 0:
+        raise BadInput("--warmup-max-steps and --threads cannot be negative")
+    n, _ = task_spec(cfg.task)
+    if cfg.test_size + cfg.val_size > n * n // 2:
+        raise BadInput(f"--test-size + --val-size must be at most {n * n // 2} for {cfg.task} "
+                       f"(half of its {n * n} problems), got {cfg.test_size + cfg.val_size}")
+    if cfg.moe and cfg.model:
+        raise BadInput("--moe builds the built-in mixture-of-experts model; drop it or --model")
     if cfg.minibatches > cfg.prompts_per_step:
         raise BadInput("--minibatches cannot exceed --prompts-per-step (a minibatch holds whole groups)")
     if cfg.device == "cuda" and not torch.cuda.is_available():
         raise BadInput("--device cuda, but torch sees no CUDA device")
-    if foreign_files(cfg.out):
-        raise BadInput(f"--out {cfg.out} holds files this script did not write; choose another folder")
+    problem = out_problem(cfg.out)
+    if problem:
+        raise BadInput(problem)
     if cfg.model and not os.path.isdir(cfg.model):
         if cfg.model.startswith((".", "/", "~")) or os.sep in cfg.model.rstrip("/").split("/", 1)[-1]:
             raise BadInput(f"--model {cfg.model}: no such folder")
@@ -920,33 +1121,8 @@ def pick_device(cfg: Config) -> torch.device:
     return torch.device(cfg.device)
 
 
-def build(cfg: Config, device):
-    """Model and tokenizer: a hub/local model, or the tiny built-in one (seeded)."""
-    if cfg.model:
-        model, tokenizer = load_pretrained(cfg.model)
-    else:
-        tokenizer = build_char_tokenizer()
-        model = build_tiny_model(tokenizer, moe=cfg.moe)
-    return model.to(device), tokenizer
-
-
-def main(argv: list[str] | None = None) -> int:
-    t_start = time.perf_counter()
-    try:
-        cfg = parse_config(argv)
-    except BadInput as err:
-        print(f"gspo_minimal.py: error: {err}", file=sys.stderr)
-        return 2
-    device, model, tokenizer = prepare(cfg)
-    n_params = sum(p.numel() for p in model.parameters())
-    print(f"{cfg.loss} | {type(model).__name__} {n_params / 1e6:.2f}M params | {cfg.task} | "
-          f"device {device} | seed {cfg.seed} | out {cfg.out}", flush=True)
-    run = Run(cfg.out, t_start)
-    return finish(train(cfg, model, tokenizer, device, run), run)
-
-
 def prepare(cfg: Config):
-    """Threads, seed and device, then the model and tokenizer: how every run begins."""
+    """Threads, seed and device, then the model and tokenizer (`build`): how every run begins."""
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     from transformers.utils import logging as hf_logging
@@ -954,15 +1130,6 @@ def prepare(cfg: Config):
     torch.manual_seed(cfg.seed)
     device = pick_device(cfg)
     return (device, *build(cfg, device))
-
-
-def finish(summary: dict, run: Run, trained_by: str = "RL") -> int:
-    """The run's last line, and its exit code: 130 when Ctrl-C ended it."""
-    before = summary["accuracy_before_rl"]
-    print(f"test accuracy: {'n/a' if before is None else f'{before:.3f}'} after warm-up -> "
-          f"{summary['accuracy_after_rl']:.3f} after {trained_by} | "
-          f"{summary['wall_seconds']:.0f} s | {run.dir}/summary.json", flush=True)
-    return 130 if summary["interrupted"] else 0
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
 The trained run is shared (one session fixture) and called in-process, so the file runs in seconds.
 """
+import dataclasses
 import json
 import os
 import signal
@@ -42,6 +43,19 @@ def test_tiny_run_writes_summary_with_the_spec_keys(tiny_run):
     assert summary["loss"] == "gspo" and summary["seed"] == 0 and summary["interrupted"] is False
     assert 0 <= summary["accuracy_after_rl"] <= 1 and summary["rl_tokens_per_second"] > 0
     assert summary["rl_steps"] == 4
+    for key in ("command", "seconds", "measured_at_commit", "versions", "threads"):   # provenance
+        assert key in summary, key
+    assert summary["command"].startswith("python gspo_minimal.py --steps 4")
+    assert {"python", "torch", "transformers"} <= set(summary["versions"])
+
+
+def test_progress_line_uses_the_metric_names(tiny_run, capsys):
+    m = {"reward": 0.5, "val_acc": 0.25, "s_mean": 1.0, "s_min": 0.99, "s_max": 1.01,
+         "clip_tokens": 0.2, "flat_groups": 0.1, "response_tokens": 3.5, "tokens_per_second": 9800.0}
+    line = g.progress_line(3, g.Config(), m)
+    for name in ("reward", "val_acc", "s_mean", "clip_tokens", "flat_groups", "response_tokens",
+                 "tokens_per_second"):
+        assert f"| {name} " in line, name
 
 
 def test_metrics_has_one_object_per_rl_step_with_every_logged_field(tiny_run):
@@ -50,12 +64,14 @@ def test_metrics_has_one_object_per_rl_step_with_every_logged_field(tiny_run):
         records = [json.loads(line) for line in f]
     rl = [r for r in records if r["stage"] == "rl"]
     assert [r["step"] for r in rl] == [1, 2, 3, 4]
-    fields = {"reward", "zero_spread", "s_mean", "s_min", "s_max", "clip_tokens", "clip_seqs",
-              "form_gap", "resp_len", "tok_per_s", "loss"}
+    fields = {"reward", "flat_groups", "s_mean", "s_min", "s_max", "clip_tokens", "clip_seqs",
+              "clip_ceiling", "form_gap", "response_tokens", "tokens_per_second", "step_seconds",
+              "loss"}
     for r in rl:
         assert fields <= set(r), fields - set(r)
         assert r["s_min"] <= r["s_mean"] <= r["s_max"]
         assert r["form_gap"] < 1e-4          # the three forms of s agree to float32 round-off
+        assert 0 <= r["clip_tokens"] <= r["clip_ceiling"] <= 1
     assert [r["step"] for r in rl if "val_acc" in r] == [2, 4]
 
 
@@ -130,6 +146,9 @@ BAD = {
     "unknown flag": ["--learning-rate", "1"],
     "missing local model": ["--model", "./no/such/model"],
     "offline hub id": ["--model", "no-such-org/no-such-model"],
+    "temperature 0": ["--temperature", "0"],
+    "held-out sets too large": ["--test-size", "4000", "--val-size", "2000"],
+    "moe with a model": ["--moe", "--model", "gpt2"],
 }
 
 
@@ -156,6 +175,72 @@ def test_out_folder_with_foreign_files_is_refused_and_left_alone(tmp_path, capsy
     code, cap = run_main(["--out", str(tmp_path)], capsys)
     assert code == 2 and "did not write" in cap.err
     assert os.listdir(tmp_path) == ["notes.txt"]
+
+
+def snapshot(folder):
+    return {p: open(os.path.join(folder, p), "rb").read() if os.path.isfile(os.path.join(folder, p))
+            else "dir" for p in sorted(os.listdir(folder))}
+
+
+FOREIGN = {   # name of --out -> what the user already has there (path relative to tmp_path)
+    "existing file": ("results.csv", {"results.csv": "a,b\n1,2\n"}),
+    "foreign .incomplete sibling": ("run", {"run.incomplete/notes.txt": "mine"}),
+    "foreign .old sibling": ("run", {"run.old/notes.txt": "mine"}),
+    "file .incomplete sibling": ("run", {"run.incomplete": "mine"}),
+    "inside a file": ("notes.txt/run", {"notes.txt": "mine"}),
+    "trailing slash, foreign sibling": ("run/", {"run.old/x": "mine"}),
+    # a backup made with `mv run run.old` carries the marker: still never touched
+    "marked backup in .old": ("run", {"run.old/.gspo_minimal_run": "", "run.old/metrics.jsonl": "{}"}),
+    # a file the user added inside an earlier run makes that folder theirs too
+    "user file inside an earlier run": ("run", {"run/.gspo_minimal_run": "", "run/notes.txt": "mine"}),
+    # another live process is writing this --out
+    "live run on the same --out": ("run", {"run.incomplete/.gspo_minimal_run": str(os.getppid())}),
+}
+
+
+@pytest.mark.parametrize("out, files", FOREIGN.values(), ids=FOREIGN.keys())
+def test_out_never_touches_what_the_script_did_not_write(out, files, tmp_path, capsys):
+    for rel, text in files.items():
+        os.makedirs(os.path.dirname(tmp_path / rel), exist_ok=True)
+        (tmp_path / rel).write_text(text)
+    before = {d: snapshot(os.path.join(tmp_path, d)) if os.path.isdir(tmp_path / d) else "file"
+              for d in os.listdir(tmp_path)}
+    code, cap = run_main(["--out", str(tmp_path / out)], capsys)
+    assert code == 2 and cap.out == "" and len(cap.err.strip().splitlines()) == 1, cap.err
+    after = {d: snapshot(os.path.join(tmp_path, d)) if os.path.isdir(tmp_path / d) else "file"
+             for d in os.listdir(tmp_path)}
+    assert after == before
+    for rel, text in files.items():
+        assert (tmp_path / rel).read_text() == text
+
+
+def test_an_empty_out_folder_is_used_and_an_earlier_run_replaced(tmp_path):
+    out = tmp_path / "empty"
+    out.mkdir()
+    tok = g.build_char_tokenizer()
+    model = g.build_tiny_model(tok)
+    run = g.Run(str(out) + "/")                      # a trailing slash names the same folder
+    run.checkpoint(model, tok)
+    assert g.written_by_us(str(out)) and os.listdir(tmp_path) == ["empty"]
+    g.Run(str(out)).checkpoint(model, tok)          # a second run replaces the first
+    assert sorted(os.listdir(tmp_path)) == ["empty"]
+
+
+def test_config_fields_of_any_optional_type_get_a_flag():
+    import dataclasses
+
+    @dataclasses.dataclass
+    class Extended(g.Config):
+        budget: int | None = None
+        """seconds before the run stops (None: no budget)"""
+        note: str | None = None
+        """free text"""
+
+    cfg = g.parse_config(["--budget", "30", "--eps-low", "0.1", "--out", "runs/never"], cls=Extended)
+    assert cfg.budget == 30 and cfg.note is None and cfg.eps_low == 0.1 and cfg.eps_high is None
+    assert g.field_help(Extended)["budget"].startswith("seconds")
+    with pytest.raises(g.BadInput):
+        g.parse_config(["--budget", "soon"], cls=Extended)
 
 
 def test_help_text_is_the_dataclass_field_docstrings(capsys):
@@ -237,7 +322,8 @@ def test_hand_written_sampler_matches_generate_when_greedy():
     tok = g.build_char_tokenizer()
     model = g.build_tiny_model(tok).eval()
     ids, attn = g.encode_prompts(tok, ["07+45=", "99+99=", "00+01="], "cpu")
-    ours = g.sample_completions(model, ids, attn, 6, tok.eos_token_id, tok.pad_token_id, 0.0)
+    ours = g.sample_completions(model, ids, attn, 6, tok.eos_token_id, tok.pad_token_id,
+                                temperature=0.0)
     ref = model.generate(input_ids=ids, attention_mask=attn, max_new_tokens=6, do_sample=False,
                          eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)[:, ids.shape[1]:]
     ref = ref[:, :ours.shape[1]]
@@ -261,6 +347,26 @@ def test_first_minibatch_is_on_policy_with_ratio_exactly_one():
     m = g.rl_update(model, opt, batch, g.Config(prompts_per_step=4, group_size=4, minibatches=1),
                     3e-4, 4e-4)
     assert m["s_min"] == m["s_max"] == 1.0 and m["clip_tokens"] == 0.0
+    assert m["clip_ceiling"] == 0.0                  # one on-policy minibatch: nothing can clip
+
+
+def test_clip_ceiling_counts_off_policy_tokens_of_groups_with_signal():
+    model, _, cfg, batch = tiny_rollout()
+    batch["advantages"][:4] = 0.0                   # make the first group flat
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    torch.manual_seed(3)
+    chunks = g.group_chunks(16, 4, 2, "cpu")
+    torch.manual_seed(3)                            # rl_update draws the same chunks
+    m = g.rl_update(model, opt, batch, cfg, 3e-4, 4e-4)
+    rows = chunks[1]
+    could = sum(int(batch["mask"][r].sum()) for r in rows.tolist() if batch["advantages"][r] != 0)
+    assert m["clip_ceiling"] == pytest.approx(could / int(batch["mask"].sum()))
+    assert m["clip_tokens"] <= m["clip_ceiling"]
+
+
+def test_flat_group_share_counts_groups_with_equal_rewards():
+    rewards = torch.tensor([1., 1., 1., 0., 0., 0., 1., 0., 1.])
+    assert g.flat_group_share(rewards, 3) == pytest.approx(2 / 3)
 
 
 def test_group_chunks_cover_every_row_once_in_whole_groups():
@@ -293,7 +399,7 @@ def test_group_policy_logprobs_match_policy_logprobs_values_and_gradients(length
         return logp.detach(), [p.grad.clone() for p in model.parameters()]
 
     a, grads_a = value_and_grads(g.policy_logprobs)
-    b, grads_b = value_and_grads(g.group_policy_logprobs, G)
+    b, grads_b = value_and_grads(g.group_policy_logprobs, G)   # group_size, positional
     assert a.shape == b.shape == (len(ids), length)
     assert (a - b).abs().max().item() < 1e-10
     # transformers' RMSNorm computes in float32 even in a float64 model, and the two paths sum the
@@ -322,3 +428,71 @@ def test_tutorial_snippets_run():
     namespace: dict = {}
     for i, block in enumerate(blocks):
         exec(compile(block, f"tutorial.md[python block {i}]", "exec"), namespace)
+
+
+# --- experiments.py's measurement helpers -------------------------------------------------------
+def test_variance_profile_of_independent_stationary_tokens_falls_as_one_over_length():
+    import experiments as e
+    delta = torch.randn(4000, 64, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    prof = e.variance_profile(delta, [1, 2, 4, 8, 16, 32, 64], n_boot=200)
+    lo, hi = prof["slope_ci95"]
+    assert lo <= prof["slope"] <= hi and lo < -1 < hi
+    assert prof["uncorrelated"][0] == pytest.approx(prof["var"][0], rel=1e-12)   # equal at L = 1
+    for v, (a, b) in zip(prof["var"], prof["var_ci95"]):
+        assert a <= v <= b
+    assert max(abs(r) for r in prof["autocorrelation_centred"]) < 0.05
+
+
+def test_variance_profile_separates_correlation_from_non_stationarity():
+    import experiments as e
+    gen = torch.Generator().manual_seed(1)
+    L = [1, 4, 16, 64]
+    # uncorrelated, but the variance grows along the response: the reference tracks the measurement
+    scale = torch.linspace(0.2, 2.0, 64, dtype=torch.float64)
+    grow = e.variance_profile(torch.randn(4000, 64, generator=gen, dtype=torch.float64) * scale, L,
+                              n_boot=100)
+    assert grow["slope_uncorrelated"] > -0.9
+    for v, u in zip(grow["var"], grow["uncorrelated"]):
+        assert v == pytest.approx(u, rel=0.15)
+    # a shift shared by every token of a response (correlation 0.2): the measurement levels off
+    shared = torch.randn(4000, 1, generator=gen, dtype=torch.float64) * 0.2 ** 0.5
+    corr = e.variance_profile(torch.randn(4000, 64, generator=gen, dtype=torch.float64) * 0.8 ** 0.5
+                              + shared, L, n_boot=100)
+    assert corr["var"][-1] > 5 * corr["uncorrelated"][-1]
+    assert corr["var"][-1] == pytest.approx(0.2 + 0.8 / 64, rel=0.15)
+    assert corr["autocorrelation_centred"][0] == pytest.approx(0.2, abs=0.05)
+
+
+def test_branches_from_one_run_state_start_from_the_same_weights_optimiser_and_prompts():
+    import random
+    import experiments as e
+    torch.manual_seed(0)
+    tok = g.build_char_tokenizer()
+    model = g.build_tiny_model(tok)
+    cfg = g.Config(prompts_per_step=4, group_size=4, minibatches=2, steps=50)
+    state = e.run_state(model, tok, cfg, 2, random.Random(0))
+    assert state["lr"] == pytest.approx(cfg.lr * (1 - 2 / 50))
+    a = e.branch(state, model, tok, cfg, 2)
+    b = e.branch(state, model, tok, cfg, 2)
+    assert a == b                                     # a branch is a pure function of the state
+    grpo = e.branch(state, model, tok, dataclasses.replace(cfg, loss="grpo"), 1)
+    assert grpo[0]["clip_ceiling"] == a[0]["clip_ceiling"]   # same rollout, same minibatch split
+    assert grpo[0]["lr"] == a[0]["lr"] == pytest.approx(state["lr"])
+    quarter = e.branch(state, model, tok, cfg, 1, lr_scale=0.25)
+    assert quarter[0]["lr"] == pytest.approx(state["lr"] / 4)
+    with e.minibatch_ratios() as seen:
+        e.branch(state, model, tok, cfg, 1)
+    assert len(seen) == cfg.minibatches and torch.equal(seen[0], torch.ones_like(seen[0]))
+    assert g.ratio_metrics.__name__ == "ratio_metrics"       # restored after the block
+
+
+def test_result_files_carry_where_they_came_from(tmp_path, tiny_run, capsys):
+    import experiments as e
+    e.write_json(str(tmp_path / "r.json"), {"x": 1}, "python experiments.py test", 1.5)
+    with open(tmp_path / "r.json") as f:
+        r = json.load(f)
+    assert r["x"] == 1 and r["command"] == "python experiments.py test" and r["seconds"] == 1.5
+    assert {"measured_at_commit", "versions", "threads"} <= set(r)
+    stats = e.metric_stats(tiny_run[0])
+    assert stats["s_min"]["min"] <= stats["s_mean"]["median"] <= stats["s_max"]["max"]
+    assert stats["val_acc"]["steps"] == 2 and "clip_ceiling" in stats

@@ -1,9 +1,10 @@
-"""Property-based proof of the GSPO identities and of everything the objective relies on.
+"""Property-based checks of the GSPO identities and of everything the objective relies on.
 
 Each test is one claim, named as the claim, and checks the code against an independent formulation:
 a literal loop, an exact enumeration, a float64 recomputation, or an analytic gradient.
-Derivations: PAPERS.md section 2 (the identity s = PPL_old/PPL_new = exp(H_old - H_new), the variance
-formula, the fixed-length bias bound) and the GSPO paper's equations 2, 5, 7, 10 and 13-14.
+Derivations: tutorial.md sections 2-5 (the identity s = PPL_old/PPL_new = exp(H_old - H_new), the
+variance formula, the fixed-length bias bound) and the GSPO paper's equations 2, 5, 7, 10 and 13-14.
+A passing property checks many drawn cases; it does not prove the claim.
 
 Profiles (conftest.py): `ci` is derandomized with 100 examples a property (`make test`); `thorough`
 draws 2,000 (`make test-thorough`). Corners are pinned with @example so that they are always run.
@@ -109,7 +110,7 @@ def unit_roundoff(dtype):
 # 1. The identity itself, from logits of two policies.
 # ---------------------------------------------------------------------------------------------
 def identity_tolerance(b: Batch, lp_new, lp_old):
-    """Relative round-off bound for comparing two forms of s (PAPERS.md section 2).
+    """Relative round-off bound for comparing two forms of s (round-off grows with |H| and |y|).
 
     Each form rounds a masked mean of n numbers of size |logp| (pairwise summation: about
     (log2 n + 1) u |logp| absolute error each), one subtraction (u |dH|), and one exp, which turns
@@ -126,7 +127,7 @@ def identity_tolerance(b: Batch, lp_new, lp_old):
 
 @given(batches())
 @with_corners()
-def test_ratio_equals_inverse_perplexity_ratio_and_exp_entropy_gap(b):
+def test_ratio_equals_exp_cross_entropy_difference(b):
     lp_new, lp_old = b.logp("new"), b.logp("old")
     s = g.importance_ratio(lp_new, lp_old, b.mask).to(F64)
     ppl_old, ppl_new = g.perplexity(lp_old, b.mask), g.perplexity(lp_new, b.mask)
@@ -146,7 +147,7 @@ def test_ratio_equals_inverse_perplexity_ratio_and_exp_entropy_gap(b):
 
 
 @given(batches(dtypes=(F32,), scales=(100.0, 300.0), drifts=(1.0,), min_len=1))
-def test_perplexity_overflows_to_inf_exactly_when_the_entropy_exceeds_the_float_range(b):
+def test_perplexity_overflows_to_inf_exactly_when_the_cross_entropy_exceeds_the_float_range(b):
     lp = b.logp("old")
     h = g.cross_entropy(lp, b.mask)
     ppl = g.perplexity(lp, b.mask)
@@ -255,7 +256,7 @@ def test_mask_may_be_bool_int_or_float_with_the_same_results(junk):
 
 @given(batches(dtypes=(F64,), min_len=1))
 @with_corners(dtype=F64, min_len=1)
-def test_empty_rows_give_ratio_one_zero_entropy_and_no_loss_or_gradient(b):
+def test_empty_rows_give_ratio_one_zero_cross_entropy_and_no_loss_or_gradient(b):
     lp_new, lp_old = b.logp("new"), b.logp("old")
     mask = b.mask.clone()
     mask[0] = False                                             # row 0 is now empty
@@ -377,7 +378,7 @@ def test_exact_enumeration_unbiased_product_jensen_bound_and_kl_identity(V, L, s
 
 
 def test_with_variable_lengths_the_expected_ratio_can_exceed_one():
-    # PAPERS.md section 2: pi_old stops at once (EOS) with p 0.5, else emits 100 tokens;
+    # tutorial.md section 4: pi_old stops at once (EOS) with p 0.5, else emits 100 tokens;
     # pi_new stops with p 0.6. Two possible responses, all other tokens deterministic.
     L = 100
     lp_old = torch.zeros(2, L, dtype=F64)
@@ -526,7 +527,7 @@ def test_clipped_objective_is_min_of_sA_and_one_sided_bound(b):
 
 @given(batches(dtypes=(F64,), drifts=(1e-5, 1e-4, 1e-3, 0.1)))
 @with_corners(dtype=F64)
-def test_clip_changes_s_exactly_when_entropy_gap_leaves_the_nat_band(b):
+def test_clip_changes_s_exactly_when_cross_entropy_gap_leaves_the_nat_band(b):
     lp_new, lp_old = b.logp("new"), b.logp("old")
     s = g.importance_ratio(lp_new, lp_old, b.mask)
     delta_h = g.cross_entropy(lp_old, b.mask) - g.cross_entropy(lp_new, b.mask)

@@ -144,8 +144,9 @@ def test_make_trl_writes_the_same_metrics_and_summary_fields_as_our_loop(tmp_pat
     assert [r["step"] for r in rl] == [1, 2, 3]
     assert [r["step"] for r in rl if "val_acc" in r] == [2, 3]
     for r in rl:
-        assert {"reward", "zero_spread", "s_mean", "s_min", "s_max", "clip_tokens", "clip_seqs",
-                "form_gap", "resp_len", "tok_per_s", "loss"} <= set(r)
+        assert {"reward", "flat_groups", "s_mean", "s_min", "s_max", "clip_tokens", "clip_seqs",
+                "clip_ceiling", "form_gap", "response_tokens", "tokens_per_second",
+                "loss"} <= set(r)
         assert r["s_min"] <= r["s_mean"] <= r["s_max"] and r["form_gap"] < 1e-4
     assert (out / "checkpoint" / "config.json").exists()
     assert "after TRL" in capsys.readouterr().out

@@ -159,10 +159,10 @@ def rollout_record(trainer, cfg: g.Config) -> tuple[dict, int]:
     and the rollout's completion tokens."""
     logs, trainer.minibatch_log = trainer.minibatch_log, []
     rewards = torch.tensor(trainer.reward.rewards)
-    tokens = sum(m["tokens"] for m in logs)
+    tokens = sum(m["n_tokens"] for m in logs)
     return {**g.summarise_minibatches(logs), "reward": rewards.mean().item(),
-            "zero_spread": (rewards.reshape(-1, cfg.group_size).std(1) == 0).float().mean().item(),
-            "resp_len": tokens / len(rewards)}, tokens
+            "flat_groups": g.flat_group_share(rewards, cfg.group_size),
+            "response_tokens": tokens / len(rewards)}, tokens
 
 
 def cycle_callback(cfg: g.Config, on_cycle):
@@ -179,29 +179,63 @@ def cycle_callback(cfg: g.Config, on_cycle):
 # ---------------------------------------------------------------------------------------------
 # make trl: gspo_minimal's default run, with TRL doing the RL steps.
 # ---------------------------------------------------------------------------------------------
-def trl_stages(cfg: g.Config, model, tokenizer, device, run: g.Run, splits, summary: dict,
-               stop) -> None:
-    """gspo_minimal's warm-up, then `cfg.steps` rollouts in TRL: the `stages` of gspo_minimal.train,
-    which does the rest (summary.json, Ctrl-C, final checkpoint and test) as for our own loop."""
+def trl_train(cfg: g.Config, model, tokenizer, device, run: g.Run, stop) -> dict:
+    """gspo_minimal.train with TRL doing the RL steps: the same warm-up (same seed, so the same
+    weights), then `cfg.steps` rollouts in GRPOTrainer on the prompts our loop would draw, then the
+    same final checkpoint and test. The bookkeeping is a copy of train()'s, by design: the
+    teaching file has no hooks for this one."""
+    splits = g.make_splits(cfg.task, cfg.test_size, cfg.val_size)
     rng = random.Random(cfg.seed)
-    g.warmup_stage(cfg, model, tokenizer, device, run, splits, summary, stop, rng)
-    # the prompts our loop would draw, step after step, from the same generator
-    problems = g.sample_train_problems(splits, cfg.task, cfg.steps * cfg.prompts_per_step, rng)
-    trainer = build_trainer(cfg, model, tokenizer, problems, cfg.steps,
-                            os.path.join(run.dir, "trl_output"), device)
-    summary.update(trainer="trl.GRPOTrainer", trl_config=trainer.args.to_dict())
-    last = [time.perf_counter()]
+    eps_low, eps_high = g.resolved_eps(cfg)
+    summary = {"seed": cfg.seed, "loss": cfg.loss, "eps_low": eps_low, "eps_high": eps_high,
+               "accuracy_before_rl": None, "interrupted": False, "rl_steps": 0, "rl_tokens": 0,
+               "rl_seconds": 0.0, "config": dataclasses.asdict(cfg)}
+    try:
+        # 1. gspo_minimal's warm-up, its test accuracy, the first checkpoint
+        summary["warmup_steps"] = g.warmup(model, tokenizer, splits, cfg, device, rng, run, stop)
+        summary["accuracy_before_rl"] = g.accuracy(model, tokenizer, cfg.task, splits["test"],
+                                                   cfg.max_new_tokens, device)
+        run.checkpoint(model, tokenizer)
+        print(f"warm-up done after {summary['warmup_steps']} steps | "
+              f"test acc {summary['accuracy_before_rl']:.3f}", flush=True)
+        # 2. TRL's RL steps, on the prompts our loop would draw, step after step, from the same rng
+        problems = g.sample_train_problems(splits, cfg.task, cfg.steps * cfg.prompts_per_step, rng)
+        trainer = build_trainer(cfg, model, tokenizer, problems, cfg.steps,
+                                os.path.join(run.dir, "trl_output"), device)
+        summary.update(trainer="trl.GRPOTrainer", trl_config=trainer.args.to_dict())
+        t0 = [time.perf_counter()]
 
-    def on_cycle(state, control):
-        m, n_tok = rollout_record(trainer, cfg)
-        last[0] = g.finish_rl_step(state.global_step // cfg.minibatches, m, n_tok, last[0], cfg,
-                                   model, tokenizer, device, run, splits, summary)
-        if stop.requested:
-            control.should_training_stop = True
+        def on_cycle(state, control):          # after each rollout's last optimiser step
+            step = state.global_step // cfg.minibatches
+            m, n_tok = rollout_record(trainer, cfg)
+            if step % cfg.eval_every == 0 or step == cfg.steps:
+                m["val_acc"] = g.accuracy(model, tokenizer, cfg.task, splits["val"],
+                                          cfg.max_new_tokens, device)
+                run.checkpoint(model, tokenizer)
+            now = time.perf_counter()
+            dt, t0[0] = now - t0[0], now
+            m.update(tokens_per_second=n_tok / dt, step_seconds=dt)
+            summary["rl_steps"] = step
+            summary["rl_tokens"] += n_tok
+            summary["rl_seconds"] += dt
+            run.log({"stage": "rl", "step": step, **m}, g.progress_line(step, cfg, m))
+            if stop.requested:
+                control.should_training_stop = True
 
-    trainer.add_callback(cycle_callback(cfg, on_cycle))
-    if not stop.requested:                     # Ctrl-C during the warm-up: no RL at all
-        trainer.train()
+        trainer.add_callback(cycle_callback(cfg, on_cycle))
+        if not stop.requested:                 # Ctrl-C during the warm-up: no RL at all
+            trainer.train()
+    except KeyboardInterrupt:
+        pass
+    # 3. the final checkpoint and test, after Ctrl-C too
+    summary["interrupted"] = stop.requested
+    run.checkpoint(model, tokenizer)
+    summary["accuracy_after_rl"] = g.accuracy(model, tokenizer, cfg.task, splits["test"],
+                                              cfg.max_new_tokens, device)
+    summary["rl_tokens_per_second"] = summary["rl_tokens"] / max(summary["rl_seconds"], 1e-9)
+    summary["wall_seconds"] = time.perf_counter() - run.t_start
+    run.write_summary(summary)
+    return summary
 
 
 def trl_main(argv: list[str]) -> int:
@@ -218,8 +252,14 @@ def trl_main(argv: list[str]) -> int:
     import trl
     print(f"TRL {trl.__version__} GRPOTrainer as {cfg.loss} | {type(model).__name__} | {cfg.task} | "
           f"device {device} | seed {cfg.seed} | out {cfg.out}", flush=True)
-    run = g.Run(cfg.out, t_start)
-    return g.finish(g.train(cfg, model, tokenizer, device, run, stages=trl_stages), run, "TRL")
+    run = g.Run(cfg.out, t_start, command=" ".join(["python trl_compare.py trl", *argv]))
+    with g.GracefulStop() as stop:
+        summary = trl_train(cfg, model, tokenizer, device, run, stop)
+    before = summary["accuracy_before_rl"]
+    print(f"test accuracy: {'n/a' if before is None else f'{before:.3f}'} after warm-up -> "
+          f"{summary['accuracy_after_rl']:.3f} after TRL | {summary['wall_seconds']:.0f} s | "
+          f"{os.path.relpath(run.dir)}/summary.json", flush=True)
+    return 130 if summary["interrupted"] else 0
 
 
 def quiet_libraries():
@@ -249,14 +289,12 @@ def peak_rss_mb() -> float:
 
 
 def load_start(path: str, device):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    tokenizer.padding_side = "left"
-    return AutoModelForCausalLM.from_pretrained(path).to(device), tokenizer
+    model, tokenizer = g.load_pretrained(path)
+    return model.to(device), tokenizer
 
 
 def timed_run_ours(cfg: g.Config, start: str, device, n: int, stop_after: float | None = None):
-    """n rollouts of gspo_minimal's RL step from `start` (run_stages' step without the evaluations).
+    """n rollouts of gspo_minimal's RL step from `start` (train()'s step without the evaluations).
     Returns per-cycle seconds, completion tokens and sampling seconds, and the test accuracy."""
     splits = g.make_splits(cfg.task, cfg.test_size, cfg.val_size)
     eps_low, eps_high = g.resolved_eps(cfg)
@@ -364,6 +402,7 @@ def bench_main(argv: list[str]) -> int:
     start = os.path.join(cfg.out, "checkpoint")
     if not os.path.isdir(start):                     # gspo_minimal's warm-up, seed 0: both sides start here
         print("warm-up: the shared starting weights", flush=True)
+        quiet_libraries()
         torch.set_num_threads(threads)
         torch.manual_seed(cfg.seed)
         tokenizer = g.build_char_tokenizer()
@@ -409,6 +448,8 @@ def bench_main(argv: list[str]) -> int:
                    "trl": trl_["grpo_config"]},
         "bench_seconds": time.perf_counter() - t0,
     }
+    bench = {**g.provenance("python trl_compare.py bench" + (f" {threads}" if argv else ""),
+                            bench["bench_seconds"]), **bench}      # bench's own `threads` wins
     with open(os.path.join(BENCH_DIR, "bench.json"), "w") as f:
         json.dump(bench, f, indent=2)
     print_bench(bench)
