@@ -741,11 +741,12 @@ def train(cfg: Config, model, tokenizer, device, run, stop) -> dict:
         # 1. Supervised warm-up until validation accuracy reaches cfg.warmup_target; then the test
         #    accuracy it reached and the first checkpoint (the run folder appears in --out here).
         summary["warmup_steps"] = warmup(model, tokenizer, splits, cfg, device, rng, run, stop)
-        summary["accuracy_before_rl"] = accuracy(model, tokenizer, cfg.task, splits["test"],
-                                                 cfg.max_new_tokens, device)
-        run.checkpoint(model, tokenizer)
-        print(f"warm-up done after {summary['warmup_steps']} steps | "
-              f"test acc {summary['accuracy_before_rl']:.3f}", flush=True)
+        if not stop.requested:                # after a Ctrl-C in the warm-up, straight to the end
+            summary["accuracy_before_rl"] = accuracy(model, tokenizer, cfg.task, splits["test"],
+                                                     cfg.max_new_tokens, device)
+            run.checkpoint(model, tokenizer)
+            print(f"warm-up done after {summary['warmup_steps']} steps | "
+                  f"test acc {summary['accuracy_before_rl']:.3f}", flush=True)
 
         # 2. GSPO: each step is one rollout and `minibatches` optimiser steps on it.
         opt, sched = rl_optimizer(model, cfg)
@@ -783,7 +784,8 @@ def train(cfg: Config, model, tokenizer, device, run, stop) -> dict:
     summary["interrupted"] = stop.requested
     if stop.requested:
         print("interrupted: writing a final checkpoint and summary.json", file=sys.stderr)
-    run.checkpoint(model, tokenizer)
+    # a run stopped in its warm-up stays in <out>.incomplete: an earlier run in --out is kept
+    run.checkpoint(model, tokenizer, promote=summary["accuracy_before_rl"] is not None)
     summary["accuracy_after_rl"] = accuracy(model, tokenizer, cfg.task, splits["test"],
                                             cfg.max_new_tokens, device)
     summary["rl_tokens_per_second"] = summary["rl_tokens"] / max(summary["rl_seconds"], 1e-9)
@@ -927,13 +929,15 @@ class Run:
         if line:
             print(line, flush=True)
 
-    def checkpoint(self, model, tokenizer) -> None:
+    def checkpoint(self, model, tokenizer, promote: bool = True) -> None:
+        """A complete checkpoint in the run folder; the first one (with `promote`) makes the run
+        folder `<out>`."""
         tmp = os.path.join(self.dir, "checkpoint.tmp")
         shutil.rmtree(tmp, ignore_errors=True)
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         replace_folder(tmp, os.path.join(self.dir, "checkpoint"))
-        if not self.promoted:
+        if promote and not self.promoted:
             self.promote()
 
     def promote(self) -> None:

@@ -131,6 +131,24 @@ def test_rerun_replaces_an_earlier_run_only_after_its_first_checkpoint(tmp_path)
     assert not os.path.exists(out + ".incomplete") and not os.path.exists(out + ".old")
 
 
+def test_ctrl_c_in_the_warm_up_keeps_an_earlier_run(tmp_path):
+    from types import SimpleNamespace
+    out = str(tmp_path / "r")
+    tok = g.build_char_tokenizer()
+    model = g.build_tiny_model(tok)
+    earlier = g.Run(out)
+    earlier.log({"run": 1})
+    earlier.checkpoint(model, tok)
+    cfg = g.parse_config(TINY + ["--out", out])
+    stopped = SimpleNamespace(requested=True)           # Ctrl-C before the first warm-up step
+    summary = g.train(cfg, model, tok, "cpu", g.Run(out), stopped)
+    assert summary["interrupted"] is True and summary["rl_steps"] == 0
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        assert json.loads(f.read())["run"] == 1          # the earlier run is untouched
+    with open(os.path.join(out + ".incomplete", "summary.json")) as f:
+        assert json.load(f)["interrupted"] is True       # the stopped one is kept beside it
+
+
 # --- bad input: one line on stderr, exit code 2, before any heavy work -------------------------
 BAD = {
     "group size 1": ["--group-size", "1"],

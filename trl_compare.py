@@ -193,6 +193,8 @@ def trl_train(cfg: g.Config, model, tokenizer, device, run: g.Run, stop) -> dict
     try:
         # 1. gspo_minimal's warm-up, its test accuracy, the first checkpoint
         summary["warmup_steps"] = g.warmup(model, tokenizer, splits, cfg, device, rng, run, stop)
+        if stop.requested:                     # Ctrl-C during the warm-up: no RL at all
+            raise KeyboardInterrupt
         summary["accuracy_before_rl"] = g.accuracy(model, tokenizer, cfg.task, splits["test"],
                                                    cfg.max_new_tokens, device)
         run.checkpoint(model, tokenizer)
@@ -223,13 +225,12 @@ def trl_train(cfg: g.Config, model, tokenizer, device, run: g.Run, stop) -> dict
                 control.should_training_stop = True
 
         trainer.add_callback(cycle_callback(cfg, on_cycle))
-        if not stop.requested:                 # Ctrl-C during the warm-up: no RL at all
-            trainer.train()
+        trainer.train()
     except KeyboardInterrupt:
         pass
     # 3. the final checkpoint and test, after Ctrl-C too
     summary["interrupted"] = stop.requested
-    run.checkpoint(model, tokenizer)
+    run.checkpoint(model, tokenizer, promote=summary["accuracy_before_rl"] is not None)
     summary["accuracy_after_rl"] = g.accuracy(model, tokenizer, cfg.task, splits["test"],
                                               cfg.max_new_tokens, device)
     summary["rl_tokens_per_second"] = summary["rl_tokens"] / max(summary["rl_seconds"], 1e-9)
