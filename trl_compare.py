@@ -388,6 +388,8 @@ def bench_side(argv: list[str]) -> int:
     fn = bench_ours if side == "ours" else bench_trl
     result = fn(cfg, start, device, float(budget))
     result["peak_rss_mb"] = peak_rss_mb()
+    result = {**g.provenance(f"python trl_compare.py _side {side}", result.get("train_seconds")),
+              **result}
     with open(out, "w") as f:
         json.dump(result, f)
     return 0
