@@ -4,6 +4,7 @@
     python experiments.py figures    # `make figures`: the runs the plots need, PNGs into figures/
     python experiments.py sampler    # hand-written KV-cached sampler against transformers' generate
     python experiments.py metrics [RUN_FOLDER]   # range and median of every logged metric of a run
+    python experiments.py logprobs   # token_logprobs at a real vocabulary: memory and time against TRL
 
 Everything here imports gspo_minimal and adds no training logic of its own: the updates measured are
 `gspo_minimal.rl_update` with the script's own optimiser (`rl_optimizer`) at its defaults, the
@@ -548,13 +549,96 @@ def metric_stats(folder: str = TRAIN_DIR) -> dict:
     return stats
 
 
+# ---------------------------------------------------------------------------------------------
+# token_logprobs at a real vocabulary: extra memory and time, ours against the one-shot formula
+# and TRL's selective_log_softmax, each variant in a fresh process of its own.
+# ---------------------------------------------------------------------------------------------
+LOGPROB_SHAPE = (8, 1024, 49152)        # (B, T, V): 8 answers of 1,024 tokens, SmolLM2's vocabulary
+LOGPROB_REPEATS = 3
+
+
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
+
+
+def logprobs_variant(name: str, dtype_name: str) -> dict:
+    """One variant on (8, 1024, 49152) random logits: peak resident memory above what the process
+    held just before the call (logits included), median seconds of LOGPROB_REPEATS calls, and the
+    largest error against a float64 log-softmax of the same logits. Linux only (/proc)."""
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype_name]
+    B, T, V = LOGPROB_SHAPE
+    gen = torch.Generator().manual_seed(0)
+    logits = (torch.randn(B, T, V, generator=gen) * 3).to(dtype)
+    tokens = torch.randint(0, V, (B, T), generator=gen)
+    if name == "trl":
+        from trl.trainer.utils import selective_log_softmax as fn
+    elif name == "one_shot":            # the formula before chunking: a float32 copy of everything
+        def fn(x, t):
+            return torch.log_softmax(x.to(torch.promote_types(x.dtype, torch.float32)), -1) \
+                .gather(-1, t[..., None])[..., 0]
+    else:
+        fn = g.token_logprobs
+    with torch.no_grad():
+        fn(logits[:1, :4], tokens[:1, :4])                        # warm-up: kernels, imports
+        peaks, times = [], []
+        for _ in range(LOGPROB_REPEATS):
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")                                      # reset the peak (VmHWM)
+            base = _status_kib("VmRSS")
+            t0 = time.perf_counter()
+            out = fn(logits, tokens)
+            times.append(time.perf_counter() - t0)
+            peaks.append(_status_kib("VmHWM") - base)
+            del out
+        out = fn(logits, tokens)
+        ref = torch.cat([torch.log_softmax(row.double(), -1).gather(-1, t[:, None])[:, 0][None]
+                         for row, t in zip(logits, tokens)])
+    return {"variant": name, "dtype": dtype_name, "out_dtype": str(out.dtype).replace("torch.", ""),
+            "extra_mib": max(peaks) / 1024, "seconds": statistics.median(times),
+            "max_abs_err_vs_float64": (out.double() - ref).abs().max().item()}
+
+
+def measure_logprobs() -> dict:
+    t0 = time.perf_counter()
+    variants = [(n, d) for n in ("ours", "one_shot", "trl") for d in ("float32", "bfloat16")]
+    rows = []
+    for name, dtype in variants:
+        res = subprocess.run([sys.executable, __file__, "_logprobs", name, dtype],
+                             capture_output=True, text=True)
+        if res.returncode != 0:
+            print(f"{name} {dtype}: skipped ({res.stderr.strip().splitlines()[-1]})", flush=True)
+            continue
+        rows.append(json.loads(res.stdout.strip().splitlines()[-1]))
+    out = {"shape": list(LOGPROB_SHAPE), "repeats": LOGPROB_REPEATS, "seed": 0,
+           "threads": torch.get_num_threads(), "rows": rows}
+    write_json("runs/logprobs/token_logprobs.json", out, "python experiments.py logprobs",
+               time.perf_counter() - t0)
+    print(f"token log-probs of {LOGPROB_SHAPE} logits, {torch.get_num_threads()} threads, "
+          f"median of {LOGPROB_REPEATS}:")
+    print(f"{'variant':10s} {'logits':9s} {'result':9s} {'extra MiB':>10s} {'seconds':>8s} "
+          f"{'max err vs float64':>19s}")
+    for r in rows:
+        print(f"{r['variant']:10s} {r['dtype']:9s} {r['out_dtype']:9s} {r['extra_mib']:10.0f} "
+              f"{r['seconds']:8.3f} {r['max_abs_err_vs_float64']:19.2e}")
+    print("runs/logprobs/token_logprobs.json")
+    return out
+
+
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "_logprobs":                  # child process of measure_logprobs
+        print(json.dumps(logprobs_variant(argv[1], argv[2])))
+        return 0
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("what", choices=["verify", "figures", "sampler", "metrics"])
+    parser.add_argument("what", choices=["verify", "figures", "sampler", "metrics", "logprobs"])
     parser.add_argument("folder", nargs="?", default=TRAIN_DIR, help="run folder for `metrics`")
     args = parser.parse_args(argv)
     if args.what == "metrics":
         metric_stats(args.folder)
+        return 0
+    if args.what == "logprobs":
+        measure_logprobs()
         return 0
     from transformers.utils import logging as hf_logging
     hf_logging.disable_progress_bar()

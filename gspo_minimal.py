@@ -342,12 +342,29 @@ def group_advantages(rewards: torch.Tensor, group_size: int, *, eps: float = 1e-
 # Token log-probs and the masked mean that every sequence-level quantity is built from.
 # ---------------------------------------------------------------------------------------------
 # log pi(y_t | x, y_<t) = log_softmax(logits_t)[y_t]
-def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """logits (B, T, V), tokens (B, T) -> (B, T) log-probabilities of the given tokens."""
-    # at least float32: a log-softmax in bf16 would round log-probs to ~0.01 nats, far coarser
-    # than GSPO's clip band of 3e-4 nats per token; float64 inputs stay float64
-    logp = torch.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
-    return logp.gather(-1, tokens.long().unsqueeze(-1)).squeeze(-1)
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, *,
+                   chunk_elements: int = 2 ** 22) -> torch.Tensor:
+    """logits (B, T, V), tokens (B, T) -> (B, T) log-probabilities of the given tokens.
+
+    At least float32: a log-softmax in bf16 would round log-probs to ~0.01 nats, far coarser than
+    GSPO's clip band of 3e-4 nats per token; float64 inputs stay float64. The log-softmax runs on
+    chunks of positions of at most `chunk_elements` logits each, so a real vocabulary never needs a
+    float32 copy of the whole (B, T, V) tensor: each position's log-softmax depends on its own V
+    logits only, so the result is bit for bit the one-shot formula's (test_token_logprobs_...).
+    Under autograd each chunk's log-softmax keeps its output for the backward pass, as the one-shot
+    formula does.
+    """
+    B, T, V = logits.shape
+    dtype = torch.promote_types(logits.dtype, torch.float32)
+    flat, idx = logits.reshape(B * T, V), tokens.reshape(B * T, 1).long()     # (B*T, V), (B*T, 1)
+    rows = max(1, chunk_elements // max(V, 1))                                  # positions per chunk
+    # written into one preallocated tensor: a list of small results between the large temporaries
+    # would fragment the heap until it held the whole (B, T, V) after all
+    out = torch.empty(B * T, 1, dtype=dtype, device=logits.device)            # (B*T, 1)
+    for start in range(0, B * T, rows):
+        part = slice(start, start + rows)
+        out[part] = torch.log_softmax(flat[part].to(dtype), dim=-1).gather(-1, idx[part])
+    return out.reshape(B, T)
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int = -1) -> torch.Tensor:

@@ -648,6 +648,43 @@ def test_token_logprobs_is_log_softmax_gather_and_shift_invariant(b, c):
     assert ((shifted - lp).abs() <= tol).all()
 
 
+@given(st.integers(1, 4), st.integers(1, 9), st.integers(1, 300), st.integers(1, 4000),
+       st.sampled_from([torch.float32, torch.float64]), st.sampled_from([0.1, 5.0, 80.0]),
+       st.integers(0, 2 ** 16))
+@example(2, 3, 49, 1, torch.float32, 80.0, 0)                # one position per chunk
+@example(1, 9, 300, 301, torch.float64, 5.0, 1)              # chunks that cut across rows
+def test_token_logprobs_in_chunks_is_bit_identical_to_one_log_softmax(B, T, V, chunk, dtype,
+                                                                      scale, seed):
+    gen = torch.Generator().manual_seed(seed)
+    logits = (torch.randn(B, T, V, generator=gen, dtype=torch.float64) * scale).to(dtype)
+    tokens = torch.randint(0, V, (B, T), generator=gen)
+    weights = torch.randn(B, T, generator=gen, dtype=torch.float64).to(dtype)
+
+    def value_and_grad(fn):
+        x = logits.clone().requires_grad_(True)
+        lp = fn(x)
+        (lp * weights).sum().backward()
+        return lp.detach(), x.grad
+
+    one_shot = value_and_grad(lambda x: torch.log_softmax(x, -1).gather(-1, tokens[..., None])[..., 0])
+    chunked = value_and_grad(lambda x: g.token_logprobs(x, tokens, chunk_elements=chunk))
+    assert torch.equal(chunked[0], one_shot[0]), "values differ from log_softmax + gather"
+    assert torch.equal(chunked[1], one_shot[1]), "gradients differ from log_softmax + gather"
+
+
+@given(st.integers(1, 3), st.integers(1, 6), st.integers(2, 200), st.integers(1, 700),
+       st.integers(0, 2 ** 16))
+def test_token_logprobs_of_bf16_logits_are_the_float32_log_probs_of_the_same_logits(B, T, V, chunk,
+                                                                                   seed):
+    gen = torch.Generator().manual_seed(seed)
+    logits = (torch.randn(B, T, V, generator=gen) * 10).to(torch.bfloat16)
+    tokens = torch.randint(0, V, (B, T), generator=gen)
+    lp = g.token_logprobs(logits, tokens, chunk_elements=chunk)
+    assert lp.dtype == torch.float32                 # never rounded to bf16's 8 significant bits
+    ref = torch.log_softmax(logits.float(), -1).gather(-1, tokens[..., None])[..., 0]
+    assert torch.equal(lp, ref)
+
+
 def test_one_wild_token_is_clipped_by_grpo_but_not_gspo_and_the_reverse():
     L = 50
     mask = torch.ones(1, L, dtype=torch.bool)
