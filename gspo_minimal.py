@@ -74,7 +74,10 @@ class Config:
     task: str = "add2"
     """problems: add2 (a+b, a,b < 100), add3 (a+b, a,b < 1000) or mul2 (a*b, a,b < 100)"""
     model: str = ""
-    """Hugging Face causal LM (hub id or local folder) with its tokenizer; empty: the built-in tiny model"""
+    """Hugging Face causal LM with its tokenizer: a hub id, a local folder or a .gguf file (dequantised
+    to float32; needs the gguf package); empty: the built-in tiny model"""
+    no_chat_template: bool = False
+    """write prompts as plain text even when the tokenizer has a chat template"""
     moe: bool = False
     """use a tiny mixture-of-experts model (transformers' Mixtral classes) instead of the dense one"""
     device: str = "auto"
@@ -235,22 +238,32 @@ def build_tiny_model(tokenizer, moe: bool = False):
 
 
 def load_pretrained(name_or_path: str):
-    """Any causal LM with its tokenizer. Left padding, so that every prompt ends at the same column."""
+    """Any causal LM with its tokenizer: a hub id, a folder, or one .gguf file (transformers
+    dequantises its weights to float32). Left padding, so that every prompt ends at the same column."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(name_or_path)
+    where = {}
+    if name_or_path.endswith(".gguf"):
+        name_or_path, where["gguf_file"] = os.path.split(os.path.abspath(name_or_path))
+    tokenizer = AutoTokenizer.from_pretrained(name_or_path, **where)
     tokenizer.padding_side = "left"
     if tokenizer.pad_token is None:              # the completion mask comes from the first EOS, so
         tokenizer.pad_token = tokenizer.eos_token  # pad == eos is harmless here (see completion_mask)
-    model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=torch.float32, **where)
+    if where:       # the GGUF weights are now plain float32 tensors: let checkpoints save them as such
+        model.hf_quantizer = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
     return model, tokenizer
 
 
 def build(cfg: Config, device):
-    """Model and tokenizer: `--model` (a hub id or local folder), or the tiny built-in one.
-    The built-in model's weights come from torch's global seed (set by the caller)."""
+    """Model and tokenizer: `--model` (a hub id, local folder or .gguf file), or the tiny built-in
+    one. The built-in model's weights come from torch's global seed (set by the caller)."""
     if cfg.model:
         model, tokenizer = load_pretrained(cfg.model)
+        if cfg.no_chat_template:          # encode_prompts then writes prompts as plain text
+            tokenizer.chat_template = None
     else:
         tokenizer = build_char_tokenizer()
         model = build_tiny_model(tokenizer, moe=cfg.moe)
@@ -496,8 +509,18 @@ LOSS_FNS = {"gspo": gspo_loss, "gspo-token": gspo_token_loss, "grpo": grpo_loss}
 # Batches: prompts to tensors, the policy's log-probs of given completions, and greedy accuracy.
 # ---------------------------------------------------------------------------------------------
 def encode_prompts(tokenizer, texts: list[str], device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Left-padded prompt ids and attention mask, both (B, P)."""
-    enc = tokenizer(texts, padding=True, return_tensors="pt")
+    """Left-padded prompt ids and attention mask, both (B, P).
+
+    A tokenizer with a chat template (an instruct model's) gets each text as one user message
+    followed by the opening of the assistant's turn, as the model saw in its own training; the
+    template writes the special tokens itself, so the tokenizer must not add them again.
+    """
+    if getattr(tokenizer, "chat_template", None):
+        texts = [tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                               add_generation_prompt=True) for text in texts]
+        enc = tokenizer(texts, padding=True, return_tensors="pt", add_special_tokens=False)
+    else:
+        enc = tokenizer(texts, padding=True, return_tensors="pt")
     return enc.input_ids.to(device), enc.attention_mask.to(device)
 
 
@@ -732,11 +755,13 @@ def rl_optimizer(model, cfg: Config):
 def progress_line(step: int, cfg: Config, m: dict) -> str:
     """One line per step, each number under its metrics.jsonl name; [s_min, s_max] after s_mean."""
     acc = f" | val_acc {m['val_acc']:.2f}" if "val_acc" in m else ""
+    tps = m["tokens_per_second"]
+    tps = f"{tps / 1e3:.1f}k" if tps >= 1e3 else f"{tps:.0f}"              # a real model: ~20/s on a CPU
     return (f"step {step}/{cfg.steps} | reward {m['reward']:.2f}{acc} | "
             f"s_mean {m['s_mean']:.4f} [{m['s_min']:.4f}, {m['s_max']:.4f}] | "
             f"clip_tokens {m['clip_tokens']:.3f} | flat_groups {m['flat_groups']:.2f} | "
             f"response_tokens {m['response_tokens']:.1f} | "
-            f"tokens_per_second {m['tokens_per_second'] / 1e3:.1f}k")
+            f"tokens_per_second {tps}")
 
 
 def train(cfg: Config, model, tokenizer, device, run, stop) -> dict:
@@ -835,7 +860,7 @@ def main(argv: list[str] | None = None) -> int:
     before = summary["accuracy_before_rl"]
     print(f"test accuracy: {'n/a' if before is None else f'{before:.3f}'} after warm-up -> "
           f"{summary['accuracy_after_rl']:.3f} after RL | {summary['wall_seconds']:.0f} s | "
-          f"{os.path.relpath(run.dir)}/summary.json", flush=True)
+          f"{cfg.out if run.promoted else cfg.out.rstrip('/') + '.incomplete'}/summary.json", flush=True)
     return 130 if summary["interrupted"] else 0
 
 
@@ -1125,7 +1150,14 @@ def validate(cfg: Config) -> None:
     problem = out_problem(cfg.out)
     if problem:
         raise BadInput(problem)
-    if cfg.model and not os.path.isdir(cfg.model):
+    if cfg.model.endswith(".gguf"):
+        if not os.path.isfile(cfg.model):
+            raise BadInput(f"--model {cfg.model}: no such file")
+        import importlib.util
+        if importlib.util.find_spec("gguf") is None:
+            raise BadInput(f"--model {cfg.model}: a .gguf file needs the gguf package "
+                           "(pip install -r requirements-pretrained.txt)")
+    elif cfg.model and not os.path.isdir(cfg.model):
         if cfg.model.startswith((".", "/", "~")) or os.sep in cfg.model.rstrip("/").split("/", 1)[-1]:
             raise BadInput(f"--model {cfg.model}: no such folder")
         try:                                  # a hub id: one cheap config fetch tells if it resolves

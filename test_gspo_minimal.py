@@ -167,6 +167,7 @@ BAD = {
     "temperature 0": ["--temperature", "0"],
     "held-out sets too large": ["--test-size", "4000", "--val-size", "2000"],
     "moe with a model": ["--moe", "--model", "gpt2"],
+    "missing gguf file": ["--model", "no_such_model.gguf"],
 }
 
 
@@ -514,3 +515,88 @@ def test_result_files_carry_where_they_came_from(tmp_path, tiny_run, capsys):
     stats = e.metric_stats(tiny_run[0])
     assert stats["s_min"]["min"] <= stats["s_mean"]["median"] <= stats["s_max"]["max"]
     assert stats["val_acc"]["steps"] == 2 and "clip_ceiling" in stats
+
+
+# --- a byte-level BPE tokenizer with a chat template, built in-process: what real models use ---
+CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+                 "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def bpe_tokenizer():
+    """Byte-level BPE trained on arithmetic text: numbers of several digits split over several
+    tokens, leading spaces, an EOS (<|im_end|>) that is not one of our characters, pad == eos."""
+    import random
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+    rng = random.Random(0)
+    corpus = [f"{a}+{b}={a + b}, the sum of {a} and {b} is {a + b}."
+              for a, b in ((rng.randrange(100), rng.randrange(100)) for _ in range(2000))]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(corpus, trainers.BpeTrainer(
+        vocab_size=160, special_tokens=["<|im_end|>", "<|im_start|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>",
+                                   pad_token="<|im_end|>", padding_side="left")
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def test_bpe_numbers_split_into_several_tokens_and_the_reward_still_reads_them(bpe_tokenizer):
+    tok = bpe_tokenizer
+    eos = tok.eos_token_id
+    assert tok.pad_token_id == eos and tok.eos_token not in "0123456789+*="
+    ids = tok(" 1234", add_special_tokens=False).input_ids
+    assert len(ids) > 1                                   # one number, several tokens
+    assert g.reward(ids + [eos], "1234", tok) == 1.0      # a leading space does not matter
+    assert g.reward(ids, "1234", tok) == 0.0              # no EOS: never rewarded
+    assert g.reward(tok("12345", add_special_tokens=False).input_ids + [eos], "1234", tok) == 0.0
+    assert g.reward(ids + [eos, eos, eos], "1234", tok) == 1.0      # pad == eos after the answer
+
+
+def test_chat_template_builds_the_prompt_and_the_sampler_matches_generate(bpe_tokenizer):
+    from transformers import LlamaConfig, LlamaForCausalLM
+    tok = bpe_tokenizer
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(
+        vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=128,
+        pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=None)).eval()
+    ids, attn = g.encode_prompts(tok, ["07+45=", "1+2="], "cpu")
+    text = tok.decode(ids[0][attn[0].bool()])
+    assert text == "<|im_start|>user\n07+45=<|im_end|>\n<|im_start|>assistant\n"
+    ours = g.sample_completions(model, ids, attn, 12, tok.eos_token_id, tok.pad_token_id,
+                                temperature=0.0)
+    ref = model.generate(input_ids=ids, attention_mask=attn, max_new_tokens=12, do_sample=False,
+                         eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    assert torch.equal(ours, ref[:, ids.shape[1]:][:, :ours.shape[1]])
+    mask = g.completion_mask(ours, tok.eos_token_id)     # pad == eos: only the first EOS counts
+    for row, m in zip(ours.tolist(), mask.tolist()):
+        n = row.index(tok.eos_token_id) + 1 if tok.eos_token_id in row else len(row)
+        assert m == [True] * n + [False] * (len(row) - n)
+
+
+@pytest.mark.parametrize("chat", [True, False], ids=["chat template", "--no-chat-template"])
+def test_a_bpe_model_with_a_chat_template_trains_from_the_command_line(bpe_tokenizer, chat,
+                                                                       tmp_path, capsys):
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    tok = bpe_tokenizer
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(
+        vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=128,
+        pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=None))
+    folder = tmp_path / "bpe_model"
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    out = tmp_path / "run"
+    argv = TINY + ["--steps", "2", "--warmup-max-steps", "2", "--max-new-tokens", "8",
+                   "--model", str(folder), "--out", str(out)] + ([] if chat else ["--no-chat-template"])
+    code, cap = run_main(argv, capsys)
+    assert code == 0, cap.err
+    with open(out / "summary.json") as f:
+        assert json.load(f)["rl_steps"] == 2
+    saved = AutoTokenizer.from_pretrained(out / "checkpoint")
+    assert bool(saved.chat_template) == chat               # the run saves what it used

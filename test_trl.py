@@ -10,6 +10,7 @@ import pytest
 import torch
 
 trl = pytest.importorskip("trl")
+pytestmark = pytest.mark.extra          # make test deselects it; make test-trl runs it
 
 import gspo_minimal as g  # noqa: E402
 

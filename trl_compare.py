@@ -259,7 +259,7 @@ def trl_main(argv: list[str]) -> int:
     before = summary["accuracy_before_rl"]
     print(f"test accuracy: {'n/a' if before is None else f'{before:.3f}'} after warm-up -> "
           f"{summary['accuracy_after_rl']:.3f} after TRL | {summary['wall_seconds']:.0f} s | "
-          f"{os.path.relpath(run.dir)}/summary.json", flush=True)
+          f"{cfg.out if run.promoted else cfg.out.rstrip('/') + '.incomplete'}/summary.json", flush=True)
     return 130 if summary["interrupted"] else 0
 
 

