@@ -600,3 +600,23 @@ def test_a_bpe_model_with_a_chat_template_trains_from_the_command_line(bpe_token
         assert json.load(f)["rl_steps"] == 2
     saved = AutoTokenizer.from_pretrained(out / "checkpoint")
     assert bool(saved.chat_template) == chat               # the run saves what it used
+
+
+def test_gpu_check_runs_its_checks_on_the_cpu_and_reports_them(tmp_path, monkeypatch, capsys):
+    import experiments as e
+    monkeypatch.setattr(e, "GPU_CHECK_DIR", str(tmp_path))
+    monkeypatch.setattr(e, "smollm_gguf", lambda: None)          # the real model: make test-pretrained
+    res = e.gpu_check("cpu", steps=2, tiny=True)
+    checks = res["checks"]
+    assert "error" not in json.dumps(checks)
+    assert checks["make_train_run"]["exit_code"] == 0 and checks["make_train_run"]["rl_steps"] == 2
+    vs_cpu = checks["identities_and_losses_vs_cpu_float64"]
+    assert vs_cpu["token_logprobs_max_abs_err"] < 1e-4 and vs_cpu["form_gap_max"] < 1e-5
+    for loss in g.LOSS_FNS:
+        assert vs_cpu[f"{loss}_grad_max_abs_err"] < 1e-5
+    assert "skipped" in checks["gguf_model"]
+    with open(tmp_path / "gpu_check.json") as f:
+        assert json.load(f)["command"].startswith("python experiments.py gpu-check")
+    if not torch.cuda.is_available():
+        assert e.gpu_check("cuda")["skipped"] == "no CUDA device"
+
