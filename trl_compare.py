@@ -188,8 +188,8 @@ def trl_train(cfg: g.Config, model, tokenizer, device, run: g.Run, stop) -> dict
     rng = random.Random(cfg.seed)
     eps_low, eps_high = g.resolved_eps(cfg)
     summary = {"seed": cfg.seed, "loss": cfg.loss, "eps_low": eps_low, "eps_high": eps_high,
-               "accuracy_before_rl": None, "interrupted": False, "rl_steps": 0, "rl_tokens": 0,
-               "rl_seconds": 0.0, "config": dataclasses.asdict(cfg)}
+               "warmup_steps": None, "accuracy_before_rl": None, "interrupted": False,
+               "rl_steps": 0, "rl_tokens": 0, "rl_seconds": 0.0, "config": dataclasses.asdict(cfg)}
     try:
         # 1. gspo_minimal's warm-up, its test accuracy, the first checkpoint
         summary["warmup_steps"] = g.warmup(model, tokenizer, splits, cfg, device, rng, run, stop)
@@ -256,10 +256,7 @@ def trl_main(argv: list[str]) -> int:
     run = g.Run(cfg.out, t_start, command=" ".join(["python trl_compare.py trl", *argv]))
     with g.GracefulStop() as stop:
         summary = trl_train(cfg, model, tokenizer, device, run, stop)
-    before = summary["accuracy_before_rl"]
-    print(f"test accuracy: {'n/a' if before is None else f'{before:.3f}'} after warm-up -> "
-          f"{summary['accuracy_after_rl']:.3f} after TRL | {summary['wall_seconds']:.0f} s | "
-          f"{cfg.out if run.promoted else cfg.out.rstrip('/') + '.incomplete'}/summary.json", flush=True)
+    print(g.final_line(summary, run, "TRL"), flush=True)
     return 130 if summary["interrupted"] else 0
 
 
