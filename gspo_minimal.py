@@ -53,6 +53,7 @@ import inspect
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import sys
@@ -72,7 +73,8 @@ class Config:
     loss: str = "gspo"
     """objective: gspo (sequence ratio, eq. 5), gspo-token (eqs. 13-14) or grpo (token ratio, eq. 2)"""
     task: str = "add2"
-    """problems: add2 (a+b, a,b < 100), add3 (a+b, a,b < 1000) or mul2 (a*b, a,b < 100)"""
+    """problems: add2 (a+b, a,b < 100), add3 (a+b, a,b < 1000), mul2 (a*b, a,b < 100), or add2-chat
+    (add2's problems asked as 'a + b = ?' of a chat model, needs --model; reward on the last number)"""
     model: str = ""
     """Hugging Face causal LM with its tokenizer: a hub id, a local folder or a .gguf file (dequantised
     to float32; needs the gguf package); empty: the built-in tiny model"""
@@ -128,7 +130,7 @@ class Config:
 
 
 LOSSES = ("gspo", "gspo-token", "grpo")
-TASKS = ("add2", "add3", "mul2")
+TASKS = ("add2", "add3", "mul2", "add2-chat")
 DEFAULT_EPS = {"gspo": (3e-4, 4e-4), "gspo-token": (3e-4, 4e-4), "grpo": (0.2, 0.27)}
 
 
@@ -147,7 +149,7 @@ DATA_SEED = 1234  # fixed: every run, whatever its --seed, is scored on the same
 
 def task_spec(task: str) -> tuple[int, str]:
     """Operand range and operator of a task."""
-    return {"add2": (100, "+"), "add3": (1000, "+"), "mul2": (100, "*")}[task]
+    return {"add2": (100, "+"), "add3": (1000, "+"), "mul2": (100, "*"), "add2-chat": (100, "+")}[task]
 
 
 def make_splits(task: str, test_size: int, val_size: int) -> dict:
@@ -178,7 +180,10 @@ def sample_train_problems(splits: dict, task: str, k: int, rng: random.Random) -
 
 
 def prompt_text(task: str, a: int, b: int) -> str:
-    """'07+45=': operands zero-padded, so every prompt of a task has the same length."""
+    """'07+45=': operands zero-padded, so every prompt of a task has the same length.
+    add2-chat asks a chat model in words its tokenizer knows: '7 + 45 = ?'."""
+    if task == "add2-chat":
+        return f"{a} + {b} = ?"
     n, op = task_spec(task)
     width = len(str(n - 1))
     return f"{a:0{width}d}{op}{b:0{width}d}="
@@ -188,15 +193,20 @@ def answer_text(task: str, a: int, b: int) -> str:
     return str(a * b if task_spec(task)[1] == "*" else a + b)
 
 
-def reward(completion_ids: list[int], answer: str, tokenizer) -> float:
-    """Exact match that requires EOS: 1.0 when the text before the first EOS is the answer.
+def reward(completion_ids: list[int], answer: str, tokenizer, *, task: str = "add2") -> float:
+    """1.0 when the text before the first EOS is the answer, else 0.0.
 
-    A completion that never stops gets 0, so the policy learns to end its answers.
+    A completion that never stops gets 0, so the policy learns to end its answers. add2-chat
+    scores a chat model's sentence ('7 + 45 = 52.') by the last number in it, the usual reading
+    of a pretrained model's answer; every other task wants the answer and nothing else.
     """
     eos = tokenizer.eos_token_id
     if eos not in completion_ids:
         return 0.0
     text = tokenizer.decode(completion_ids[:completion_ids.index(eos)], skip_special_tokens=True)
+    if task == "add2-chat":
+        numbers = re.findall(r"-?\d+", text.replace(",", ""))
+        return float(bool(numbers) and numbers[-1] == answer)
     return float(text.strip() == answer)
 
 
@@ -581,7 +591,7 @@ def accuracy(model, tokenizer, task: str, problems, max_new_tokens: int, device,
         ids, attn = encode_prompts(tokenizer, [prompt_text(task, a, b) for a, b in chunk], device)
         comp = sample_completions(model, ids, attn, max_new_tokens, tokenizer.eos_token_id,
                                   tokenizer.pad_token_id, temperature=0.0)
-        hits += sum(reward(row, answer_text(task, a, b), tokenizer)
+        hits += sum(reward(row, answer_text(task, a, b), tokenizer, task=task)
                     for row, (a, b) in zip(comp.tolist(), chunk))
     return hits / len(problems)
 
@@ -643,7 +653,7 @@ def rollout(model, tokenizer, problems, cfg: Config, device) -> dict:
                                      temperature=cfg.temperature, group_size=G)     # (B, T)
     mask = completion_mask(completions, tokenizer.eos_token_id)                    # (B, T)
     answers = [answer_text(cfg.task, a, b) for a, b in problems for _ in range(G)]
-    rewards = torch.tensor([reward(row, ans, tokenizer) for row, ans in
+    rewards = torch.tensor([reward(row, ans, tokenizer, task=cfg.task) for row, ans in
                             zip(completions.tolist(), answers)], device=device)    # (B,)
     if cfg.shuffle_rewards:           # the control: same reward statistics, no relation to answers
         rewards = rewards[torch.randperm(len(rewards), device=device)]
@@ -1149,6 +1159,9 @@ def validate(cfg: Config) -> None:
     if cfg.test_size + cfg.val_size > n * n // 2:
         raise BadInput(f"--test-size + --val-size must be at most {n * n // 2} for {cfg.task} "
                        f"(half of its {n * n} problems), got {cfg.test_size + cfg.val_size}")
+    if cfg.task == "add2-chat" and not cfg.model:
+        raise BadInput("--task add2-chat asks in words: it needs a pretrained --model, not the "
+                       "built-in character tokenizer")
     if cfg.moe and cfg.model:
         raise BadInput("--moe builds the built-in mixture-of-experts model; drop it or --model")
     if cfg.minibatches > cfg.prompts_per_step:

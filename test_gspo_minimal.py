@@ -3,8 +3,10 @@
 The trained run is shared (one session fixture) and called in-process, so the file runs in seconds.
 """
 import dataclasses
+import functools
 import json
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -168,6 +170,7 @@ BAD = {
     "held-out sets too large": ["--test-size", "4000", "--val-size", "2000"],
     "moe with a model": ["--moe", "--model", "gpt2"],
     "missing gguf file": ["--model", "no_such_model.gguf"],
+    "chat task without a model": ["--task", "add2-chat"],
 }
 
 
@@ -501,7 +504,7 @@ def test_branches_from_one_run_state_start_from_the_same_weights_optimiser_and_p
     assert quarter[0]["lr"] == pytest.approx(state["lr"] / 4)
     with e.minibatch_ratios() as seen:
         e.branch(state, model, tok, cfg, 1)
-    assert len(seen) == cfg.minibatches and torch.equal(seen[0], torch.ones_like(seen[0]))
+    assert len(seen) == cfg.minibatches and torch.equal(seen[0]["s"], torch.ones_like(seen[0]["s"]))
     assert g.ratio_metrics.__name__ == "ratio_metrics"       # restored after the block
 
 
@@ -565,6 +568,22 @@ def test_bpe_numbers_split_into_several_tokens_and_the_reward_still_reads_them(b
     assert g.reward(ids + [eos, eos, eos], "1234", tok) == 1.0      # pad == eos after the answer
 
 
+def test_the_chat_task_reads_the_last_number_of_a_sentence(bpe_tokenizer):
+    tok = bpe_tokenizer
+    eos = tok.eos_token_id
+
+    def r(text, answer="52", stop=True):
+        ids = tok(text, add_special_tokens=False).input_ids + ([eos] if stop else [])
+        return g.reward(ids, answer, tok, task="add2-chat")
+    assert g.prompt_text("add2-chat", 7, 45) == "7 + 45 = ?"
+    assert r("7 + 45 = 52.") == 1.0 and r("The sum of 7 and 45 is 52") == 1.0
+    assert r("52, not 51") == 0.0                         # the LAST number is the answer
+    assert r("7 + 45 = 52.", stop=False) == 0.0           # no EOS: never rewarded, as in add2
+    assert r("7 + 45 = 521") == 0.0 and r("seven") == 0.0
+    assert r("1,052", "1052") == 1.0                      # a thousands comma is not a separator
+    assert g.reward(tok("7 + 45 = 52", add_special_tokens=False).input_ids + [eos], "52", tok) == 0.0
+
+
 def test_chat_template_builds_the_prompt_and_the_sampler_matches_generate(bpe_tokenizer):
     tok = bpe_tokenizer
     model = tiny_llama_for(tok).eval()
@@ -594,6 +613,7 @@ def test_a_bpe_model_with_a_chat_template_trains_from_the_command_line(bpe_token
     out = tmp_path / "run"
     argv = TINY + ["--steps", "2", "--warmup-max-steps", "2", "--max-new-tokens", "8",
                    "--model", str(folder), "--out", str(out)] + ([] if chat else ["--no-chat-template"])
+    argv += ["--task", "add2-chat"] if chat else []           # a sentence prompt, the last-number reward
     code, cap = run_main(argv, capsys)
     assert code == 0, cap.err
     with open(out / "summary.json") as f:
@@ -620,3 +640,71 @@ def test_gpu_check_runs_its_checks_on_the_cpu_and_reports_them(tmp_path, monkeyp
     if not torch.cuda.is_available():
         assert e.gpu_check("cuda")["skipped"] == "no CUDA device"
 
+
+
+# --- make pretrained's helpers, on the in-process BPE model ------------------------------------
+def test_word_problems_are_fixed_by_the_seed_and_their_answers_are_right():
+    import re
+    import experiments as e
+    first = [e.word_problem(random.Random(0)) for _ in range(3)]
+    assert first == [e.word_problem(random.Random(0)) for _ in range(3)]
+    for question, answer in (e.word_problem(random.Random(i)) for i in range(50)):
+        a, b = map(int, re.findall(r"\d+", question)[:2])
+        assert answer == str(a + b if "buys" in question else a - b)
+        assert question.endswith("Explain your reasoning step by step, then give the answer.")
+
+
+def test_binned_variance_recovers_a_known_slope():
+    import experiments as e
+    gen = torch.Generator().manual_seed(0)
+    lengths = torch.tensor([16, 32, 64, 128]).repeat_interleave(1000)[torch.randperm(4000, generator=gen)]
+    log_s = torch.randn(4000, generator=gen, dtype=torch.float64) / lengths.double().sqrt()   # Var = 1/L
+    r = e.binned_variance(log_s, lengths, 4, n_boot=300)
+    assert r["answers"] == [1000] * 4 and r["median_length"] == [16, 32, 64, 128]
+    assert r["slope_ci95"][0] < -1 < r["slope_ci95"][1] and abs(r["slope"] + 1) < 0.1
+
+
+def test_clip_counts_use_the_scripts_units_and_count_grpo_sequences_by_any_token():
+    import experiments as e
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]], dtype=torch.bool)
+    old = torch.zeros(2, 4)
+    new = torch.tensor([[0.0, 0.5, 0.0, float("nan")], [0.0, 0.0, 0.0, 0.0]])  # NaN is padding
+    adv = torch.tensor([1.0, -1.0])
+    on_policy = {"s": torch.ones(2), "logp_new": old, "logp_old": old, "adv": adv, "mask": mask}
+    off = {"s": g.importance_ratio(new, old, mask), "logp_new": new, "logp_old": old, "adv": adv,
+           "mask": mask}
+    grpo = e.clip_counts([on_policy, off], "grpo", (0.2, 0.27))
+    assert grpo == {"clip_tokens": 1 / 14, "clip_seqs": 1 / 4, "tokens": 14, "sequences": 4}
+    gspo = e.clip_counts([on_policy, off], "gspo", (3e-4, 4e-4))    # s_1 = exp(0.5/3) > 1 + 4e-4
+    assert gspo["clip_tokens"] == 3 / 14 and gspo["clip_seqs"] == 1 / 4
+
+
+def test_paired_bootstrap_of_a_constant_gain_is_that_gain():
+    import experiments as e
+    assert e.paired_bootstrap([0.0, 1.0, 0.0, 0.0], [1.0, 1.0, 0.0, 0.0], 2000)[1] <= 0.75
+    lo, hi = e.paired_bootstrap([0.0] * 10, [1.0] * 10, 500)
+    assert lo == hi == 1.0
+
+
+def test_the_pretrained_measurement_runs_end_to_end_on_a_tiny_bpe_model(bpe_tokenizer, monkeypatch):
+    import experiments as e
+    monkeypatch.setitem(e.PRE, "word_prompts", 8)
+    monkeypatch.setitem(e.PRE, "clip_prompts", 4)
+    monkeypatch.setitem(e.PRE, "group_size", 2)
+    monkeypatch.setitem(e.PRE, "max_new_tokens", 80)
+    monkeypatch.setitem(e.PRE, "float64_sequences", 4)
+    monkeypatch.setitem(e.PRE, "bootstrap_resamples", 50)
+    monkeypatch.setitem(e.PRE, "lr", 1e-3)                   # a random model: move it visibly
+    monkeypatch.setitem(e.PRE, "clip_lrs", [1e-3])
+    monkeypatch.setattr(e.g, "sample_completions", functools.partial(
+        e.g.sample_completions, suppress_eos=True))          # a random model never stops: make 80
+    monkeypatch.setattr(e.g, "reward", lambda row, answer, tok, task: float(sum(row) % 2))
+    tok = bpe_tokenizer
+    r = e.measure_pretrained_update(tiny_llama_for(tok), tok)
+    assert r["rollout_answers"] == 16 and r["response_tokens_median"] == 80
+    assert r["equivalence_max_rel_err_float64"] < 1e-12 < r["token_logratio_std"]
+    assert r["variance_prefix_64"]["lengths"] == [1, 2, 4, 8, 16, 32, 64]
+    assert [(b["loss"], b["lr"]) for b in r["clip_branches"]] == [("gspo", 1e-3), ("grpo", 1e-3)]
+    for b in r["clip_branches"]:                             # the script's own count, recomputed
+        assert b["clip_tokens"] == pytest.approx(b["script_clip_tokens"]) and b["clip_tokens"] <= b["clip_ceiling"]
+    assert r["clip_branches"][0]["clip_tokens"] > 0 and r["variance_by_natural_length"] is None
