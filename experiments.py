@@ -1034,14 +1034,15 @@ def pretrained() -> dict:
             loaded["mt"][0].eval()
             loaded["seconds"] = time.perf_counter() - t
         return loaded["mt"]
-    update = pre_part("update", lambda: measure_pretrained_update(*model()))
+    # the parts that need the model as released come first: the update below changes it
     sampling = pre_part("sampling", lambda: time_sampling(*model()))
     splits_ = g.make_splits("add2-chat", *[int(PRE["train"][PRE["train"].index(f) + 1])
                                            for f in ("--test-size", "--val-size")])
     max_new = int(PRE["train"][PRE["train"].index("--max-new-tokens") + 1])
     before = pre_part("heldout_before", lambda: {"rewards": heldout_rewards(
         *model(), splits_["test"], max_new)})
-    loaded.clear()                                        # the runs load their own copy
+    update = pre_part("update", lambda: measure_pretrained_update(*model()))
+    loaded.pop("mt", None)                                # the runs load their own copy
     runs = {}
     for name, extra in (("gspo", []), ("shuffled", ["--shuffle-rewards"])):
         out = os.path.join(PRE_DIR, name)
@@ -1092,9 +1093,52 @@ def pretrained() -> dict:
            "token_logprobs": logprobs, "measurement": update}
     write_json(os.path.join(FIG_DIR, "pretrained.json"), res, "python experiments.py pretrained",
                res["pretrained_seconds"])
+    plot_pretrained(res)
     print_pretrained(res)
     return res
 
+
+def plot_pretrained(r: dict) -> None:
+    """figures/pretrained_variance.png: Var(log s) of the real model's answers against length, over
+    prefixes and over whole answers binned by their natural length; the per-position variance."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+    u = r["measurement"]
+    p = u["variance_prefix_64"]
+    L = np.array(p["lengths"])
+    ci = np.array(p["var_ci95"])
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    a1.loglog(L, p["var"], color="#0072B2", marker="o", label="prefixes of answers >= 64 tokens (95% CI)")
+    a1.fill_between(L, ci[:, 0], ci[:, 1], color="#0072B2", alpha=0.2)
+    a1.loglog(L, p["uncorrelated"], color="#E69F00", ls="--", marker="^",
+              label="if uncorrelated: (1/L^2) sum of per-position variances")
+    b = u["variance_by_natural_length"]
+    if b:
+        bci = np.array(b["var_ci95"])
+        a1.errorbar(b["median_length"], b["var"], yerr=[np.array(b["var"]) - bci[:, 0], bci[:, 1] - np.array(b["var"])],
+                    color="#D55E00", marker="s", ls=":", capsize=3,
+                    label=f"whole answers, 4 bins of natural length (slope {b['slope']:+.2f})")
+    ref = p["var"][0] / L
+    a1.loglog(L, ref, color="grey", lw=0.8, label="1/L from L = 1")
+    a1.set_xlabel("length L (tokens)")
+    a1.set_ylabel("Var(log s) over answers")
+    lo, hi = p["slope_ci95"]
+    a1.set_title(f"SmolLM2-135M-Instruct, one GSPO update: prefix slope {p['slope']:+.2f} "
+                 f"[{lo:+.2f}, {hi:+.2f}]", fontsize=9)
+    a1.grid(alpha=0.3, which="both")
+    a1.legend(fontsize=7)
+    pos = np.arange(1, len(p["var_by_position"]) + 1)
+    a2.semilogy(pos, p["var_by_position"], color="#0072B2", lw=1)
+    a2.set_xlabel("position t in the answer")
+    a2.set_ylabel("Var over answers of the token log-ratio at t")
+    a2.set_title("per-position variance of the token log-ratio", fontsize=9)
+    a2.grid(alpha=0.3, which="both")
+    fig.tight_layout()
+    os.makedirs(FIG_DIR, exist_ok=True)
+    fig.savefig(os.path.join(FIG_DIR, "pretrained_variance.png"), dpi=120)
+    plt.close(fig)
 
 def print_pretrained(r: dict) -> None:
     u = r["measurement"]

@@ -1042,7 +1042,8 @@ def provenance(command: str, seconds: float | None) -> dict:
                 "transformers": transformers.__version__}
     for extra in ("trl", "gguf"):
         if extra in sys.modules:
-            versions[extra] = getattr(sys.modules[extra], "__version__", "unknown")
+            import importlib.metadata
+            versions[extra] = importlib.metadata.version(extra)
     out = {"command": command, "seconds": seconds, "measured_at_commit": git("rev-parse", "HEAD") or None,
            "versions": versions, "threads": torch.get_num_threads()}
     if out["measured_at_commit"] and git("status", "--porcelain"):
