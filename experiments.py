@@ -57,8 +57,9 @@ def load_checkpoint(path: str = os.path.join(TRAIN_DIR, "checkpoint")):
 def write_json(path: str, data: dict, command: str, seconds: float) -> None:
     """A result file with the keys every JSON of the project carries (gspo_minimal.provenance)."""
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    with open(path, "w") as f:
-        json.dump({**g.provenance(command, seconds), **data}, f, indent=2)
+    record = {**g.provenance(command, seconds), **data}     # before `open` empties a tracked file,
+    with open(path, "w") as f:                              # which would read as a dirty tree
+        json.dump(record, f, indent=2)
 
 
 @functools.cache
