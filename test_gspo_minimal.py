@@ -708,3 +708,23 @@ def test_the_pretrained_measurement_runs_end_to_end_on_a_tiny_bpe_model(bpe_toke
     for b in r["clip_branches"]:                             # the script's own count, recomputed
         assert b["clip_tokens"] == pytest.approx(b["script_clip_tokens"]) and b["clip_tokens"] <= b["clip_ceiling"]
     assert r["clip_branches"][0]["clip_tokens"] > 0 and r["variance_by_natural_length"] is None
+
+
+def test_the_committed_pretrained_results_hold_the_spec_keys_and_agree_with_their_runs():
+    with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "figures", "pretrained.json")) as f:
+        r = json.load(f)
+    for key in ("model", "model_sha256", "pretrained_seconds", "response_tokens_median",
+                "equivalence_max_rel_err_float32", "equivalence_max_rel_err_float64",
+                "variance_slope_log_s", "variance_slope_log_s_ci95", "clip_tokens_gspo",
+                "clip_seqs_gspo", "clip_tokens_grpo", "clip_seqs_grpo", "clip_lr", "heldout_prompts",
+                "reward_before_rl", "reward_after_rl", "reward_after_rl_shuffled", "reward_gain_ci95",
+                "rl_steps", "sampling_tokens_per_second_ours", "sampling_tokens_per_second_generate",
+                "peak_rss_mb", "token_logprobs", "settings", "runs", "measured_at_commit"):
+        assert key in r, key
+    assert r["heldout_prompts"] >= 128 and r["heldout_before_equals_run"] and r["heldout_after_equals_run"]
+    assert r["model_sha256"].startswith("b179c952") and "dirty" not in r
+    lo, hi = r["reward_gain_ci95"]
+    assert lo <= r["reward_after_rl"] - r["reward_before_rl"] <= hi
+    assert {run["name"]: run["accuracy_after_rl"] for run in r["runs"]} == {
+        "gspo": r["reward_after_rl"], "shuffled": r["reward_after_rl_shuffled"]}
+    assert r["settings"]["train"][r["settings"]["train"].index("--task") + 1] == "add2-chat"
