@@ -24,10 +24,12 @@ metrics.jsonl (`form_gap`, round-off only).
 
 Reading order, which is the file's order: hyperparameters -> task and reward -> tokenizer -> model ->
 sampling -> group advantages -> token log-probs -> the ratio identities -> the objectives (GSPO,
-GSPO-token, GRPO) -> batches and evaluation -> warm-up -> one GSPO step (rollout, minibatch updates)
+GSPO-token, GRPO) -> their relatives (GMPO, SAPO, CISPO, LUSPO, VESPO, the off-policy sequence
+mask) -> batches and evaluation -> warm-up -> one GSPO step (rollout, minibatch updates)
 -> the training loop, `train()`, in one place -> main(). Below main() sits the plumbing, behind a
 banner: the run folder, Ctrl-C, the command line. The functions from `group_advantages` to
-`grpo_loss` need only torch and each other: copy them into your own trainer as they are.
+`off_policy_sequence_mask` need only torch and each other: copy them into your own trainer as
+they are.
 
 Honest list of simplifications (each is named again where it happens):
   * The model is tiny (4 layers, width 128) and the task is synthetic arithmetic with an exact-match
@@ -513,6 +515,124 @@ def grpo_loss(logp_new, logp_old, advantages, mask, eps_low: float = 0.2,
 
 
 LOSS_FNS = {"gspo": gspo_loss, "gspo-token": gspo_token_loss, "grpo": grpo_loss}
+
+
+# ---------------------------------------------------------------------------------------------
+# Relatives of GSPO. Objectives published since GSPO, each a statement about the same per-token
+# log-ratios delta_t = log pi_new(y_t) - log pi_old(y_t), read through the same lens:
+#   sum_t delta_t = |y| log s = |y| (H_old - H_new)       log s = mean_t delta_t = H_old - H_new
+# Each takes gspo_loss's first four arguments and its own hyperparameters, keyword-only, with its
+# paper's defaults. Masked positions never reach a value or a gradient (`_deltas`), and an empty
+# row adds nothing. Those that weight log pi itself (CISPO, VESPO) normalise by a token count,
+# `num_tokens`: by default this batch's; a trainer that splits a rollout into minibatches passes
+# the rollout's count divided by the number of minibatches, as TRL does.
+# ---------------------------------------------------------------------------------------------
+def _deltas(logp_new, logp_old, mask) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, T) per-token log-ratios, 0 at masked positions, and the bool mask."""
+    keep = mask != 0
+    return torch.where(keep, logp_new - logp_old, torch.zeros_like(logp_new)), keep
+
+
+def _per_row(term: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """-(1/B) sum_i term_i over rows with at least one token: the paper's 1/G aggregation."""
+    return -torch.where(keep.any(-1), term, torch.zeros_like(term)).sum() / term.numel()
+
+
+def _token_sum(term: torch.Tensor, keep: torch.Tensor, num_tokens) -> torch.Tensor:
+    """-(sum_{i,t} term_it) / num_tokens over kept positions (default: this batch's count)."""
+    n = keep.sum() if num_tokens is None else torch.as_tensor(num_tokens)
+    return -torch.where(keep, term, torch.zeros_like(term)).sum() / n.clamp(min=1).to(term.dtype)
+
+
+# GMPO (arXiv 2507.20673): the geometric mean of CLIPPED token ratios, clipped in log space.
+#   J = (1/G) sum_i A_i exp( (1/|y_i|) sum_t c_it ),   c_it = min(delta_it, clip(delta_it, -e_lo, e_hi))
+#   when A_i > 0, max(...) when A_i < 0 (PPO's pessimistic side, written for the log-ratio).
+# Perplexity lens: GSPO clips exp(H_old - H_new) after averaging; GMPO clips each token's
+# contribution to H_old - H_new before it. Unclipped, the weight is exactly s.
+def gmpo_loss(logp_new, logp_old, advantages, mask, *, eps: tuple[float, float] = (0.4, 0.4)
+              ) -> torch.Tensor:
+    """GMPO, eps = (e_lo, e_hi) in LOG space: token ratios kept within (exp(-e_lo), exp(e_hi)).
+    An empty row adds nothing (TRL 1.16 adds -A_i/B for it: its geometric mean of no tokens is 1)."""
+    delta, keep = _deltas(logp_new, logp_old, mask)
+    adv = advantages.unsqueeze(-1)                                        # (B, 1)
+    bounded = delta.clamp(-eps[0], eps[1])
+    clipped = torch.where(adv > 0, torch.minimum(delta, bounded), torch.maximum(delta, bounded))
+    return _per_row(torch.exp(masked_mean(clipped, keep)) * advantages, keep)
+
+
+# SAPO (arXiv 2511.20347): a smooth gate in place of the hard clip.
+#   f(r) = sigmoid(tau (r - 1)) * 4 / tau,   tau = tau_pos if A > 0 else tau_neg
+#   token level:    J = (1/G) sum_i (1/|y_i|) sum_t f(w_it) A_i     (w_it = exp(delta_it))
+#   sequence level: J = (1/G) sum_i f(s_i) A_i                        (s_i = PPL_old / PPL_new)
+# f'(r) = 4 sigmoid (1 - sigmoid): 1 at r = 1 (on-policy it is the plain policy gradient) and
+# falling smoothly to 0 as r leaves 1; the larger tau, the narrower the region that still learns.
+def sapo_loss(logp_new, logp_old, advantages, mask, *, tau: tuple[float, float] = (1.0, 1.05),
+              level: str = "token") -> torch.Tensor:
+    """SAPO, tau = (tau_pos, tau_neg); level "token" (the paper's) or "sequence" (the gate on GSPO's s,
+    TRL's importance_sampling_level="sequence")."""
+    delta, keep = _deltas(logp_new, logp_old, mask)
+    if level == "sequence":
+        ratio, adv = torch.exp(masked_mean(delta, keep)), advantages                # (B,)
+    elif level == "token":
+        ratio, adv = torch.exp(delta), _per_token(advantages, delta)                 # (B, T)
+    else:
+        raise ValueError(f"level must be 'token' or 'sequence', got {level!r}")
+    t = torch.where(adv > 0, tau[0], tau[1]).to(ratio.dtype)
+    gated = torch.sigmoid(t * (ratio - 1)) * 4 / t * adv
+    return _per_row(gated if level == "sequence" else masked_mean(gated, keep), keep)
+
+
+# CISPO (arXiv 2506.13585, MiniMax-M1): keep every token's gradient, clip only its WEIGHT.
+#   J = (1 / sum_i |y_i|) sum_i sum_t sg[min(w_it, cap)] A_i log pi_new(y_it)
+# The paper writes clip(w, 1 - e_lo, 1 + e_hi) with e_lo so large that only the upper bound acts;
+# `cap` is that upper bound, 1 + e_hi, an absolute value as TRL's `epsilon_high` is for CISPO.
+def cispo_loss(logp_new, logp_old, advantages, mask, *, cap: float = 5.0,
+               num_tokens=None) -> torch.Tensor:
+    """CISPO: REINFORCE on log pi weighted by the detached token ratio capped at `cap` (> 1). The
+    paper states no value for its bound; 5.0 is the one TRL's documentation uses."""
+    delta, keep = _deltas(logp_new, logp_old, mask)
+    weight = torch.exp(delta).clamp(max=cap).detach()
+    logp = torch.where(keep, logp_new, torch.zeros_like(logp_new))
+    return _token_sum(weight * _per_token(advantages, delta) * logp, keep, num_tokens)
+
+
+# LUSPO (arXiv 2602.05261): GSPO's term times the response length, undoing the 1/|y| that gives a
+# long response as much weight in total as a short one.
+#   J = (1/G) sum_i |y_i| min(s_i A_i, clip(s_i, 1-e_lo, 1+e_hi) A_i)
+def luspo_loss(logp_new, logp_old, advantages, mask, *, eps: tuple[float, float] = (3e-4, 4e-4)
+               ) -> torch.Tensor:
+    """LUSPO: GSPO's per-sequence term weighted by |y_i|, mean over sequences."""
+    delta, keep = _deltas(logp_new, logp_old, mask)
+    s = torch.exp(masked_mean(delta, keep))
+    return _per_row(keep.sum(-1).to(s.dtype) * _clipped_surrogate(s, advantages, *eps), keep)
+
+
+# VESPO (arXiv 2602.10693): weight log pi by a smooth function of the UNNORMALISED sequence ratio
+#   W_i = prod_t w_it = exp(sum_t delta_it) = (PPL_old / PPL_new) ** |y_i| = s_i ** |y_i|
+#   phi(W) = W^k exp(lam (1 - W)),  phi(1) = 1, largest at W = k / lam, vanishing as W -> 0 or inf
+#   J = (1 / sum_i |y_i|) sum_i sum_t sg[phi(W_i)] A_i log pi_new(y_it)
+def vespo_loss(logp_new, logp_old, advantages, mask, *, k: tuple[float, float] = (2.0, 3.0),
+               lam: tuple[float, float] = (3.0, 2.0), num_tokens=None) -> torch.Tensor:
+    """VESPO, k = (k_pos, k_neg), lam = (lam_pos, lam_neg), chosen by A >= 0 / A < 0. phi is computed
+    in log space with no clamp (TRL 1.16 clamps each delta to +-20 and log W to [log 1e-8, 20])."""
+    delta, keep = _deltas(logp_new, logp_old, mask)
+    log_w = delta.sum(-1).detach()                                        # (B,) log W_i
+    pos = advantages >= 0
+    kk = torch.where(pos, k[0], k[1]).to(log_w.dtype)
+    ll = torch.where(pos, lam[0], lam[1]).to(log_w.dtype)
+    phi = torch.exp(ll + kk * log_w - ll * torch.exp(log_w))             # (B,), 0 where W overflows
+    logp = torch.where(keep, logp_new, torch.zeros_like(logp_new))
+    return _token_sum((phi * advantages).unsqueeze(-1) * logp, keep, num_tokens)
+
+
+# The off-policy sequence mask (DeepSeek-V3.2): drop a response with a negative advantage when the
+# new policy has drifted too far from the one that sampled it,
+#   keep_i = A_i >= 0  or  (1/|y_i|) sum_t (log pi_old - log pi_new) <= delta
+# and (1/|y|) sum_t (log pi_old - log pi_new) = H_new - H_old = log(PPL_new / PPL_old) = -log s.
+def off_policy_sequence_mask(logp_new, logp_old, advantages, mask, delta: float) -> torch.Tensor:
+    """(B,) bool, True where the response is kept; multiply it into any loss's mask."""
+    d, keep = _deltas(logp_new.detach(), logp_old, mask)
+    return (advantages >= 0) | (-masked_mean(d, keep) <= delta)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -216,6 +216,12 @@ def all_outputs(lp_new, lp_old, adv, mask):
         "gspo_loss": g.gspo_loss(lp_new, lp_old, adv, mask),
         "gspo_token_loss": g.gspo_token_loss(lp_new, lp_old, adv, mask),
         "grpo_loss": g.grpo_loss(lp_new, lp_old, adv, mask),
+        "gmpo_loss": g.gmpo_loss(lp_new, lp_old, adv, mask),
+        "sapo_loss": g.sapo_loss(lp_new, lp_old, adv, mask),
+        "sapo_loss_sequence": g.sapo_loss(lp_new, lp_old, adv, mask, level="sequence"),
+        "cispo_loss": g.cispo_loss(lp_new, lp_old, adv, mask),
+        "luspo_loss": g.luspo_loss(lp_new, lp_old, adv, mask),
+        "vespo_loss": g.vespo_loss(lp_new, lp_old, adv, mask),
     }
 
 
@@ -709,3 +715,163 @@ def test_one_wild_token_is_clipped_by_grpo_but_not_gspo_and_the_reverse():
     lp_new.grad = None
     g.gspo_loss(lp_new, lp_old, A, mask).backward()
     assert (lp_new.grad == 0).all(), "GSPO clips the whole sequence"
+
+
+# ---------------------------------------------------------------------------------------------
+# 13. Relatives of GSPO: what each reduces to, its on-policy gradient, masks and empty rows.
+# ---------------------------------------------------------------------------------------------
+RELATIVES = {
+    "gmpo": g.gmpo_loss,
+    "sapo": g.sapo_loss,
+    "sapo-seq": lambda *a, **k: g.sapo_loss(*a, level="sequence", **k),
+    "cispo": g.cispo_loss,
+    "luspo": g.luspo_loss,
+    "vespo": g.vespo_loss,
+}
+PER_TOKEN_SUM = {"cispo", "vespo"}        # normalised by a token count, not by the number of rows
+
+
+@given(batches(dtypes=(F64,), min_len=1))
+@with_corners(dtype=F64, min_len=1)
+def test_relatives_give_an_empty_row_no_loss_and_no_gradient(b):
+    lp_new, lp_old = b.logp("new"), b.logp("old")
+    mask = b.mask.clone()
+    mask[0] = False
+    for name, fn in RELATIVES.items():
+        new = lp_new.detach().clone().requires_grad_(True)
+        loss = fn(new, lp_old, b.adv, mask)
+        loss.backward()
+        assert (new.grad[0] == 0).all(), f"{name}: the empty row got a gradient"
+        rest = fn(lp_new[1:], lp_old[1:], b.adv[1:], mask[1:]) if b.B > 1 else torch.tensor(0.0)
+        expect = rest if name in PER_TOKEN_SUM else rest * (b.B - 1) / b.B
+        assert loss.item() == pytest.approx(expect.item(), rel=1e-9, abs=1e-12), name
+
+
+@given(f64_batches)
+@with_corners(dtype=F64)
+def test_relatives_on_policy_are_the_policy_gradient_up_to_their_aggregation(b):
+    """At theta = theta_old every ratio is 1, every gate and weight is at its centre: GMPO and both
+    SAPOs give GSPO's gradient; LUSPO |y_i| times it; CISPO and VESPO, normalised by tokens,
+    B |y_i| / sum|y| times it."""
+    on = b.on_policy()
+    _, base = grad_of(g.gspo_loss, on)
+    n = on.mask.sum(-1).to(F64)
+    scale = {"gmpo": torch.ones_like(n), "sapo": torch.ones_like(n), "sapo-seq": torch.ones_like(n),
+             "luspo": n, "cispo": on.B * n / n.sum().clamp(min=1), "vespo": on.B * n / n.sum().clamp(min=1)}
+    for name, fn in RELATIVES.items():
+        _, grad = grad_of(fn, on)
+        assert torch.allclose(grad, base * scale[name][:, None, None], rtol=1e-10, atol=1e-15), name
+
+
+@given(f64_batches)
+def test_gmpo_without_clipping_is_the_plain_sequence_ratio_objective(b):
+    lp_new, lp_old = b.logp("new"), b.logp("old")
+    s = g.importance_ratio(lp_new, lp_old, b.mask)
+    nonempty = b.mask.any(-1)
+    expect = -torch.where(nonempty, s * b.adv, 0).sum() / b.B
+    got = g.gmpo_loss(lp_new, lp_old, b.adv, b.mask, eps=(math.inf, math.inf))
+    assert got.item() == pytest.approx(expect.item(), rel=1e-12, abs=1e-15)
+
+
+@given(f64_batches)
+def test_gmpo_clips_each_token_log_ratio_on_the_pessimistic_side(b):
+    """A literal loop over GMPO's definition: tokens clipped in log space, then the geometric mean."""
+    lp_new, lp_old = b.logp("new"), b.logp("old")
+    e_lo, e_hi = 2e-3, 1e-3
+    got = g.gmpo_loss(lp_new, lp_old, b.adv, b.mask, eps=(e_lo, e_hi))
+    total = 0.0
+    for i in range(b.B):
+        d = [(lp_new[i, t] - lp_old[i, t]).item() for t in range(b.T) if b.mask[i, t]]
+        if not d:
+            continue
+        a = b.adv[i].item()
+        c = [min(x, min(max(x, -e_lo), e_hi)) if a > 0 else max(x, min(max(x, -e_lo), e_hi)) for x in d]
+        total += math.exp(sum(c) / len(c)) * a
+    assert got.item() == pytest.approx(-total / b.B, rel=1e-10, abs=1e-15)
+
+
+@given(batches(dtypes=(F64,), min_len=1), st.integers(1, 9))
+def test_luspo_on_equal_lengths_is_gspo_times_that_length(b, L):
+    T = max(b.T, L)
+    lp_new = F.pad(torch.where(b.mask, b.logp("new"), -1.0), (0, T - b.T), value=-1.0)   # finite
+    lp_old = F.pad(torch.where(b.mask, b.logp("old"), -2.0), (0, T - b.T), value=-2.0)
+    mask = torch.zeros(b.B, T, dtype=torch.bool)
+    mask[:, :L] = True
+    luspo = g.luspo_loss(lp_new, lp_old, b.adv, mask)
+    gspo = g.gspo_loss(lp_new, lp_old, b.adv, mask)
+    assert luspo.item() == pytest.approx(L * gspo.item(), rel=1e-12, abs=1e-15)
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+@given(batches(dtypes=(F64,), scales=(0.3, 1.0), drifts=(0.1, 0.5), min_len=1))
+def test_sapo_gate_width_goes_from_the_plain_ratio_gradient_to_nothing(level, b):
+    """f(r) = sigmoid(tau (r - 1)) 4 / tau has slope 4 sigmoid (1 - sigmoid): 1 for every r as tau
+    -> 0 (the unclipped ratio objective), and 0 for every r != 1 as tau grows (a trust region of
+    zero width)."""
+    lp_new, lp_old = b.logp("new"), b.logp("old")
+
+    def grad(loss):
+        new = lp_new.detach().clone().requires_grad_(True)
+        loss(new).backward()
+        return new.grad
+    if level == "token":
+        plain = lambda new: -g.masked_mean(torch.exp(torch.where(b.mask, new - lp_old, 0))
+                                           * b.adv[:, None], b.mask).mean()
+    else:
+        plain = lambda new: -(g.importance_ratio(new, lp_old, b.mask) * b.adv).mean()
+    narrow = grad(lambda new: g.sapo_loss(new, lp_old, b.adv, b.mask, tau=(1e-8, 1e-8), level=level))
+    assert torch.allclose(narrow, grad(plain), rtol=1e-9, atol=1e-15)
+    delta = torch.where(b.mask, lp_new - lp_old, 0)
+    moved = g.masked_mean(delta, b.mask) if level == "sequence" else delta[b.mask]
+    assume((moved.abs() > 1e-3).all())                  # r != 1 everywhere the gate is looked at
+    wide = grad(lambda new: g.sapo_loss(new, lp_old, b.adv, b.mask, tau=(1e5, 1e5), level=level))
+    assert wide.abs().max().item() < 1e-12 * max(1.0, b.adv.abs().max().item())
+
+
+@given(f64_batches, st.floats(1.001, 10.0))
+def test_cispo_caps_the_weight_but_keeps_every_tokens_gradient(b, cap):
+    lp_new, lp_old = b.logp("new"), b.logp("old")
+    new = lp_new.detach().clone().requires_grad_(True)
+    g.cispo_loss(new, lp_old, b.adv, b.mask, cap=cap).backward()
+    w = torch.exp(torch.where(b.mask, lp_new - lp_old, 0)).clamp(max=cap)
+    expect = torch.where(b.mask, -w * b.adv[:, None] / b.mask.sum().clamp(min=1), 0)
+    assert torch.allclose(new.grad, expect, rtol=1e-12, atol=1e-15)    # no token's gradient is cut
+
+
+@given(f64_batches)
+def test_vespo_weight_is_the_gamma_function_of_the_unnormalised_ratio(b):
+    lp_new, lp_old = b.logp("new"), b.logp("old")
+    new = lp_new.detach().clone().requires_grad_(True)
+    g.vespo_loss(new, lp_old, b.adv, b.mask).backward()
+    n = b.mask.sum(-1).to(F64)
+    W = g.importance_ratio(lp_new, lp_old, b.mask) ** n                  # s ** |y| = PPL_old/PPL_new ** |y|
+    k = torch.where(b.adv >= 0, 2.0, 3.0).to(F64)
+    lam = torch.where(b.adv >= 0, 3.0, 2.0).to(F64)
+    phi = W ** k * torch.exp(lam * (1 - W))
+    expect = torch.where(b.mask, -(phi * b.adv)[:, None] / n.sum().clamp(min=1), 0)
+    assert torch.allclose(new.grad, expect, rtol=1e-9, atol=1e-15)
+
+
+def test_vespo_weight_vanishes_without_overflow_for_extreme_sequence_ratios():
+    T = 4096
+    mask = torch.ones(2, T, dtype=torch.bool)
+    old = torch.zeros(2, T, dtype=F64)
+    new = torch.stack([torch.full((T,), 50.0), torch.full((T,), -50.0)]).to(F64).requires_grad_(True)
+    loss = g.vespo_loss(new, old, torch.tensor([1.0, -1.0], dtype=F64), mask)
+    loss.backward()
+    assert torch.isfinite(loss) and (new.grad == 0).all()       # phi(W) = 0 at W = e^(+-204800)
+
+
+@given(batches(dtypes=(F64,)), st.floats(-0.5, 0.5))
+def test_off_policy_mask_drops_exactly_the_drifted_responses_with_negative_advantage(b, delta):
+    lp_new, lp_old = b.logp("new"), b.logp("old")
+    keep = g.off_policy_sequence_mask(lp_new, lp_old, b.adv, b.mask, delta)
+    # (1/|y|) sum_t (log pi_old - log pi_new) = H_new - H_old = log(PPL_new / PPL_old) = -log s
+    drift = g.cross_entropy(lp_new, b.mask) - g.cross_entropy(lp_old, b.mask)
+    expect = (b.adv >= 0) | (drift <= delta)
+    close = (drift - delta).abs() < 1e-12                   # two ways of rounding the same mean
+    assert torch.equal(keep[~close], expect[~close])
+    for junk in (float("nan"), float("inf"), 1e30):         # masked positions never decide
+        dirty = g.off_policy_sequence_mask(torch.where(b.mask, lp_new, junk),
+                                           torch.where(b.mask, lp_old, -junk), b.adv, b.mask, delta)
+        assert torch.equal(dirty, keep)

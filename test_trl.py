@@ -6,6 +6,8 @@ reads is set by TRL itself from a `GRPOConfig`), whose `_compute_loss` is called
 only its forward pass is replaced, by a function that returns our log-probs. That is the smallest
 seam that leaves TRL's whole loss computation, clipping and aggregation in play.
 """
+import math
+
 import pytest
 import torch
 
@@ -44,7 +46,7 @@ def batch(seed=0, B=8, T=6):
     return new, old, adv, mask
 
 
-def trl_loss_and_grad(trainer, new, old, adv, mask):
+def trl_loss_and_grad(trainer, new, old, adv, mask, num_items=None):
     new = new.clone().requires_grad_(True)
     trainer._get_per_token_logps_and_entropies = lambda *a, **k: (new, torch.zeros_like(new), None)
     B, T = new.shape
@@ -53,7 +55,7 @@ def trl_loss_and_grad(trainer, new, old, adv, mask):
               "completion_ids": torch.zeros(B, T, dtype=torch.long),
               "completion_mask": mask.long(),                # TRL's completion_mask is 0/1 integers
               "old_per_token_logps": old, "advantages": adv,
-              "num_items_in_batch": mask.sum()}
+              "num_items_in_batch": mask.sum() if num_items is None else num_items}
     loss = trainer._compute_loss(trainer.model, inputs)
     loss.backward()
     return loss.detach(), new.grad
@@ -108,6 +110,118 @@ def test_trl_default_loss_type_weights_each_sequence_by_its_length(tmp_path):
                              g.importance_ratio(new, old, mask).clamp(1 - 3e-4, 1 + 4e-4) * adv)
     assert abs(v_trl.item() - (per_seq * lengths).sum().item() / lengths.sum().item()) <= 1e-12
     assert weight.min().item() == pytest.approx(1 / 3.625) and weight.max().item() == pytest.approx(6 / 3.625)
+
+
+# --- Relatives of GSPO against TRL 1.16, one and four minibatches per rollout -------------------------
+def make_gmpo_trainer(tmp_path, **config):
+    from datasets import Dataset
+    from trl.experimental.gmpo import GMPOConfig, GMPOTrainer
+    tok = g.build_char_tokenizer()
+    args = GMPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=8, num_generations=8,
+                      max_completion_length=6, report_to="none", use_cpu=True, beta=0.0,
+                      logging_steps=1, save_strategy="no", **config)
+    trainer = GMPOTrainer(model=g.build_tiny_model(tok), args=args, processing_class=tok,
+                          reward_funcs=lambda completions, **kw: [0.0] * len(completions),
+                          train_dataset=Dataset.from_dict({"prompt": ["07+45="] * 8}))
+    trainer.model.train()
+    trainer.current_gradient_accumulation_steps = 1
+    return trainer
+
+
+def wide_batch(seed, scale=1000.0):
+    """batch() with log-ratios about `scale` times larger: GRPO-sized, some past every band."""
+    new, old, adv, mask = batch(seed)
+    return old + (new - old) * scale, old, adv, mask
+
+
+# name: (our loss, its keywords, TRL trainer config, the log-ratio scale of the test batch)
+RELATIVE_CASES = {
+    "gmpo": (g.gmpo_loss, {}, None, 1000.0),
+    "sapo": (g.sapo_loss, {}, dict(loss_type="sapo", importance_sampling_level="token"), 1000.0),
+    "sapo-seq": (g.sapo_loss, {"level": "sequence"},
+                 dict(loss_type="sapo", importance_sampling_level="sequence"), 1000.0),
+    "cispo": (g.cispo_loss, {"cap": 5.0},
+              dict(loss_type="cispo", importance_sampling_level="token", epsilon_high=5.0), 3000.0),
+    "luspo": (g.luspo_loss, {}, dict(loss_type="luspo", importance_sampling_level="sequence",
+                                     epsilon=3e-4, epsilon_high=4e-4), 1.0),
+    "vespo": (g.vespo_loss, {}, dict(loss_type="vespo", importance_sampling_level="token"), 1000.0),
+}
+TOKEN_NORMALISED = {"cispo", "vespo"}
+
+
+@pytest.mark.parametrize("minibatches", [1, 4])
+@pytest.mark.parametrize("name", list(RELATIVE_CASES))
+@pytest.mark.parametrize("seed", [0, 1])
+def test_each_relative_equals_trl_in_value_and_gradient(tmp_path, name, minibatches, seed):
+    fn, kw, config, scale = RELATIVE_CASES[name]
+    spg = {"steps_per_generation": minibatches}
+    trainer = (make_gmpo_trainer(tmp_path, **spg) if config is None
+               else make_trainer(tmp_path, **config, **spg))
+    new, old, adv, mask = wide_batch(seed, scale)
+    delta = torch.where(mask, new - old, 0)
+    s = g.importance_ratio(new, old, mask)
+    reaches = {"gmpo": (delta.abs() > 0.4) & mask, "cispo": (delta.exp() > 5.0) & mask,
+               "luspo": (s > 1 + 4e-4) | (s < 1 - 3e-4)}        # the batch reaches each clip
+    assert reaches.get(name, torch.ones(1, dtype=torch.bool)).any()
+    total = mask.sum()                                  # the rollout's tokens, as TRL counts them
+    for rows in torch.arange(len(adv)).tensor_split(minibatches):
+        part = [x[rows] for x in (new, old, adv, mask)]
+        v_trl, g_trl = trl_loss_and_grad(trainer, *part, num_items=total)
+        extra = {"num_tokens": total / minibatches} if name in TOKEN_NORMALISED else {}
+        v_ours, g_ours = ours(fn, *part, **kw, **extra)
+        assert abs(v_trl.item() - v_ours.item()) <= 1e-10, name
+        assert (g_trl - g_ours).abs().max().item() <= 1e-10, name
+
+
+def test_gmpo_departure_trl_counts_an_empty_row_as_minus_its_advantage(tmp_path):
+    trainer = make_gmpo_trainer(tmp_path)
+    new, old, adv, mask = wide_batch(0)
+    mask[2] = False
+    v_trl, g_trl = trl_loss_and_grad(trainer, new, old, adv, mask)
+    v_ours, g_ours = ours(g.gmpo_loss, new, old, adv, mask)
+    assert abs((v_trl - v_ours).item() - (-adv[2] / len(adv)).item()) <= 1e-12
+    assert (g_trl - g_ours).abs().max().item() <= 1e-12         # no gradient either way
+
+
+def test_cispo_departure_trl_caps_the_weight_at_epsilon_high_itself_by_default_0_2(tmp_path):
+    trainer = make_trainer(tmp_path, loss_type="cispo", importance_sampling_level="token")
+    assert trainer.epsilon_high == 0.2                   # epsilon_high unset: it takes epsilon's 0.2
+    new, old, adv, mask = wide_batch(0, 3000.0)
+    v_trl, _ = trl_loss_and_grad(trainer, new, old, adv, mask, num_items=mask.sum())
+    v_ours, _ = ours(g.cispo_loss, new, old, adv, mask, cap=0.2)
+    assert abs(v_trl.item() - v_ours.item()) <= 1e-10    # every weight <= 0.2: updates damped
+
+
+def test_vespo_departure_trl_clamps_the_sequence_ratio_below_at_1e_minus_8():
+    from trl import GRPOTrainer
+    mask = torch.ones(3, 6, dtype=torch.bool)
+    log_ratio = torch.tensor([-1.0, -4.0, -25.0], dtype=F64)[:, None].expand(3, 6).clone()
+    adv = torch.tensor([[1.0], [1.0], [-1.0]], dtype=F64)
+    phi_trl = GRPOTrainer.get_gamma_weights(adv, log_ratio, mask, None)[:, 0]
+    log_w = log_ratio.sum(-1)                                       # -6, -24, -150
+    k, lam = torch.tensor([2.0, 2.0, 3.0], dtype=F64), torch.tensor([3.0, 3.0, 2.0], dtype=F64)
+    phi_paper = torch.exp(lam + k * log_w - lam * torch.exp(log_w))
+    assert torch.allclose(phi_trl[0], phi_paper[0], rtol=1e-12)     # inside TRL's clamps: the same
+    clamped = log_w.clamp(min=math.log(1e-8))
+    assert torch.allclose(phi_trl[1:], torch.exp(lam + k * clamped - lam * torch.exp(clamped))[1:],
+                          rtol=1e-12)
+    assert (phi_trl[1:] > 1e3 * phi_paper[1:]).all()                 # ...and far from the paper's
+
+
+@pytest.mark.parametrize("delta", [0.0, 1e-4, 0.05])
+def test_off_policy_mask_equals_trl_and_masks_the_loss_as_trl_does(tmp_path, delta):
+    from trl import GRPOTrainer
+    new, old, adv, mask = wide_batch(1, 300.0)
+    keep = g.off_policy_sequence_mask(new, old, adv, mask, delta)
+    keep_trl = GRPOTrainer.get_off_policy_mask(adv[:, None], new, old, mask.long(), delta)[:, 0]
+    assert torch.equal(keep, keep_trl.bool())
+    assert delta > 0 or not keep.all()                   # at delta 0 this batch drops some responses
+    trainer = make_trainer(tmp_path, importance_sampling_level="sequence", loss_type="grpo",
+                           epsilon=3e-4, epsilon_high=4e-4, off_policy_mask_threshold=delta)
+    v_trl, g_trl = trl_loss_and_grad(trainer, new, old, adv, mask)
+    v_ours, g_ours = ours(g.gspo_loss, new, old, adv, mask & keep[:, None])
+    assert abs(v_trl.item() - v_ours.item()) <= 1e-10
+    assert (g_trl - g_ours).abs().max().item() <= 1e-10
 
 
 # --- trl_compare.py: the TRL run (make trl) ---------------------------------------------------------
