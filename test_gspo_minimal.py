@@ -728,3 +728,12 @@ def test_the_committed_pretrained_results_hold_the_spec_keys_and_agree_with_thei
     assert {run["name"]: run["accuracy_after_rl"] for run in r["runs"]} == {
         "gspo": r["reward_after_rl"], "shuffled": r["reward_after_rl_shuffled"]}
     assert r["settings"]["train"][r["settings"]["train"].index("--task") + 1] == "add2-chat"
+
+
+def test_answer_forms_counts_openings_with_numbers_written_n(bpe_tokenizer):
+    import experiments as e
+    tok = bpe_tokenizer
+    r = e.answer_forms(tiny_llama_for(tok).eval(), tok, [(7, 45), (3, 4), (10, 20)], 6)
+    assert r["answers"] == 3 and sum(n for _, n in r["openings"]) == 3 and len(r["first_answers"]) == 3
+    assert all("0" not in f and "7" not in f for f, _ in r["openings"])      # digits became N
+    assert 0 <= r["stopped"] <= 3 and 1 <= r["mean_tokens"] <= 6
