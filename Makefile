@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 SEED   ?= 0
 export HF_HUB_OFFLINE ?= 1
 
-.PHONY: train test test-thorough verify figures trl test-trl bench test-pretrained pretrained gpu-check clean
+.PHONY: train test test-thorough verify figures trl test-trl bench test-pretrained pretrained figures-family gpu-check clean
 
 $(STAMP): requirements.txt
 	$(PYTHON) -m venv $(VENV)
@@ -51,6 +51,9 @@ verify: $(STAMP)  ## the papers' predictions measured on runs/train (trains firs
 
 figures: $(STAMP)  ## the runs the plots need, then the PNGs in figures/ (about 17 min on 2 cores)
 	$(PY) experiments.py figures
+
+figures-family: $(STAMP)  ## every relative of GSPO and GSPO and GRPO on add2, 3 seeds: figures/family.json and PNGs (about 25 min)
+	$(PY) experiments.py figures-family
 
 gpu-check: $(if $(NOVENV),,$(STAMP))  ## the CUDA path against the CPU, in minutes; NOVENV=1 PYTHON=python3 uses the host's own packages
 	$(if $(NOVENV),$(PYTHON),$(PY)) experiments.py gpu-check

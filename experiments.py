@@ -7,6 +7,7 @@
     python experiments.py logprobs   # token_logprobs at a real vocabulary: memory and time against TRL
     python experiments.py gpu-check  # `make gpu-check`: the CUDA path, against the CPU, in minutes
     python experiments.py pretrained # `make pretrained`: SmolLM2-135M-Instruct, figures/pretrained.json
+    python experiments.py figures-family  # `make figures-family`: GSPO's relatives on add2, figures/family.json
 
 Everything here imports gspo_minimal and adds no training logic of its own: the updates measured are
 `gspo_minimal.rl_update` with the script's own optimiser (`rl_optimizer`) at its defaults, the
@@ -1205,8 +1206,8 @@ def main(argv=None) -> int:
         print(json.dumps(logprobs_variant(argv[1], argv[2])))
         return 0
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("what", choices=["verify", "figures", "sampler", "metrics", "logprobs",
-                                         "gpu-check", "pretrained"])
+    parser.add_argument("what", choices=["verify", "figures", "figures-family", "sampler", "metrics",
+                                         "logprobs", "gpu-check", "pretrained"])
     parser.add_argument("folder", nargs="?", default=TRAIN_DIR, help="run folder for `metrics`")
     parser.add_argument("--device", default="cuda", help="gpu-check: the device to check")
     args = parser.parse_args(argv)
@@ -1221,7 +1222,7 @@ def main(argv=None) -> int:
         return 0
     from transformers.utils import logging as hf_logging
     hf_logging.disable_progress_bar()
-    {"verify": verify, "figures": figures, "sampler": bench_sampler,
+    {"verify": verify, "figures": figures, "figures-family": figures_family, "sampler": bench_sampler,
      "pretrained": pretrained}[args.what]()
     return 0
 
@@ -1234,7 +1235,10 @@ FIG_STEPS = 200          # RL steps per figure run (make train uses 500), fixed 
 SEEDS = (0, 1, 2)
 # Okabe-Ito colours, each paired with its own line style and marker so the plots read in grey too
 STYLE = {"gspo": ("#0072B2", "-", "o"), "gspo-token": ("#009E73", "--", "s"),
-         "grpo": ("#D55E00", ":", "^"), "control": ("#999999", "-.", "x")}
+         "grpo": ("#D55E00", ":", "^"), "control": ("#999999", "-.", "x"),
+         "gmpo": ("#E69F00", "--", "v"), "sapo": ("#56B4E9", "-.", "D"),
+         "sapo-seq": ("#009E73", "-", "P"), "cispo": ("#CC79A7", ":", "X"),
+         "luspo": ("#000000", "--", "*"), "vespo": ("#F0E442", "-", "h")}
 
 
 def figure_runs() -> list[tuple[str, list[str]]]:
@@ -1247,18 +1251,19 @@ def figure_runs() -> list[tuple[str, list[str]]]:
     return runs
 
 
-def run_all(runs, workers: int = 2) -> None:
+def run_all(runs, workers: int = 2, folder: str = FIG_RUNS) -> None:
     """Run the training jobs, `workers` at a time, one thread each (2 cores: no oversubscription).
     A run whose summary.json exists is kept and skipped, so an interrupted target resumes."""
-    pending = [r for r in runs if not os.path.exists(os.path.join(FIG_RUNS, r[0], "summary.json"))]
+    os.makedirs(folder, exist_ok=True)
+    pending = [r for r in runs if not os.path.exists(os.path.join(folder, r[0], "summary.json"))]
     active: list[tuple[str, subprocess.Popen]] = []
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     while pending or active:
         while pending and len(active) < workers:
             name, args = pending.pop(0)
-            log = open(os.path.join(FIG_RUNS, name + ".log"), "w")
+            log = open(os.path.join(folder, name + ".log"), "w")
             cmd = [sys.executable, "gspo_minimal.py", *args, "--steps", str(FIG_STEPS),
-                   "--threads", "1", "--out", os.path.join(FIG_RUNS, name)]
+                   "--threads", "1", "--out", os.path.join(folder, name)]
             active.append((name, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)))
             print(f"started {name}", flush=True)
         time.sleep(1)
@@ -1268,17 +1273,17 @@ def run_all(runs, workers: int = 2) -> None:
                 print(f"finished {name} (exit {proc.returncode})", flush=True)
 
 
-def read_metrics(name: str) -> list[dict]:
-    with open(os.path.join(FIG_RUNS, name, "metrics.jsonl")) as f:
+def read_metrics(name: str, folder: str = FIG_RUNS) -> list[dict]:
+    with open(os.path.join(folder, name, "metrics.jsonl")) as f:
         return [json.loads(line) for line in f]
 
 
-def read_summary(name: str) -> dict:
-    with open(os.path.join(FIG_RUNS, name, "summary.json")) as f:
+def read_summary(name: str, folder: str = FIG_RUNS) -> dict:
+    with open(os.path.join(folder, name, "summary.json")) as f:
         return json.load(f)
 
 
-def accuracy_curves(ax, names_by_loss: dict[str, list[str]], title: str) -> None:
+def accuracy_curves(ax, names_by_loss: dict[str, list[str]], title: str, folder: str = FIG_RUNS) -> None:
     """Validation accuracy against each run's own elapsed time: median over seeds, min-max band;
     a dotted line where RL begins (the warm-up's end, median over every run in the plot)."""
     import numpy as np
@@ -1286,7 +1291,7 @@ def accuracy_curves(ax, names_by_loss: dict[str, list[str]], title: str) -> None
     for loss, names in names_by_loss.items():
         curves = []
         for name in names:
-            records = read_metrics(name)
+            records = read_metrics(name, folder)
             rl = [r for r in records if "val_acc" in r]                 # warm-up, then RL
             starts.append(next(r["elapsed"] for r in records if r["stage"] == "rl")
                           - next(r["step_seconds"] for r in records if r["stage"] == "rl"))
@@ -1582,6 +1587,130 @@ def figure_summary() -> dict:
         clip[loss] = out
     return {"steps": FIG_STEPS, "seeds": list(SEEDS), "runs": runs, "test_accuracy": accuracy,
             "clip_tokens": clip}
+
+
+
+# ---------------------------------------------------------------------------------------------
+# make figures-family: every relative of GSPO on add2 at make figures' settings, with GSPO and GRPO
+# ---------------------------------------------------------------------------------------------
+FAMILY_RUNS = "runs/family"
+FAMILY = ("gspo", "grpo", "gmpo", "sapo", "sapo-seq", "cispo", "luspo", "vespo")
+GATES = ("sapo", "sapo-seq", "vespo")
+
+
+def family_runs() -> list[tuple[str, list[str]]]:
+    return [(f"{loss}_s{seed}", ["--loss", loss, "--seed", str(seed)]) for loss in FAMILY for seed in SEEDS]
+
+
+def family_summary() -> dict:
+    import numpy as np
+    runs = []
+    for name, args in family_runs():
+        s = read_summary(name, FAMILY_RUNS)
+        rl = [r for r in read_metrics(name, FAMILY_RUNS) if r["stage"] == "rl"]
+        run = {"name": name, "seed": s["seed"], "loss": s["loss"],
+               "settings": args + ["--steps", str(FIG_STEPS), "--threads", "1"],
+               "accuracy_before_rl": s["accuracy_before_rl"], "accuracy_after_rl": s["accuracy_after_rl"],
+               "wall_seconds": s["wall_seconds"], "rl_seconds": s["rl_seconds"],
+               "clip_tokens": statistics.fmean(r["clip_tokens"] for r in rl),
+               "clip_seqs": statistics.fmean(r["clip_seqs"] for r in rl),
+               "mean_response_tokens_first_10_steps": statistics.fmean(r["response_tokens"] for r in rl[:10]),
+               "mean_response_tokens_last_10_steps": statistics.fmean(r["response_tokens"] for r in rl[-10:])}
+        if s["loss"] in GATES:
+            run["gate_tokens"] = statistics.fmean(r["gate_tokens"] for r in rl)
+        runs.append(run)
+    by_loss = {}
+    for loss in FAMILY:
+        rs = [r for r in runs if r["loss"] == loss]
+        by_loss[loss] = {"median_after": float(np.median([r["accuracy_after_rl"] for r in rs])),
+                         "median_before": float(np.median([r["accuracy_before_rl"] for r in rs])),
+                         "seeds_after": [r["accuracy_after_rl"] for r in rs],
+                         "median_clip_tokens": float(np.median([r["clip_tokens"] for r in rs])),
+                         "median_gate_tokens": (float(np.median([r["gate_tokens"] for r in rs]))
+                                                if loss in GATES else None),
+                         "median_rl_seconds": float(np.median([r["rl_seconds"] for r in rs]))}
+    return {"task": "add2", "steps": FIG_STEPS, "seeds": list(SEEDS), "runs": runs, "by_loss": by_loss}
+
+
+def plot_family(plt, summary: dict) -> None:
+    """family_accuracy.png: validation accuracy against RL step and against each run's own elapsed
+    time; family_clip.png: clip_tokens (gate_tokens for the smooth gates) and response length."""
+    import numpy as np
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(13, 4.8))
+    for loss in FAMILY:
+        names = [f"{loss}_s{seed}" for seed in SEEDS]
+        curves = [[r for r in read_metrics(n, FAMILY_RUNS) if r["stage"] == "rl" and "val_acc" in r]
+                  for n in names]
+        steps = np.array([r["step"] for r in curves[0]])
+        ys = np.array([[r["val_acc"] for r in c] for c in curves])
+        colour, ls, marker = STYLE[loss]
+        a1.plot(steps, np.median(ys, 0), color=colour, ls=ls, marker=marker, markevery=4, label=loss)
+    a1.set_xlabel("RL step")
+    a1.set_ylabel("validation accuracy (greedy), median of 3 seeds")
+    a1.set_title("every relative of GSPO on add2, make figures' settings", fontsize=10)
+    a1.grid(alpha=0.3)
+    a1.legend(fontsize=8, ncol=2)
+    accuracy_curves(a2, {loss: [f"{loss}_s{seed}" for seed in SEEDS] for loss in ("gspo", "grpo", "gmpo", "cispo")},
+                    "against time: four of them, with seed bands", FAMILY_RUNS)
+    fig.tight_layout()
+    fig.savefig(os.path.join(FIG_DIR, "family_accuracy.png"), dpi=120)
+    fig, (b1, b2) = plt.subplots(1, 2, figsize=(13, 4.5))
+    for loss in FAMILY:
+        per_seed = [[r for r in read_metrics(f"{loss}_s{seed}", FAMILY_RUNS) if r["stage"] == "rl"]
+                    for seed in SEEDS]
+        key = "gate_tokens" if loss in GATES else "clip_tokens"
+        steps = np.array([r["step"] for r in per_seed[0]])
+        colour, ls, marker = STYLE[loss]
+        clip = np.median([[r[key] for r in rs] for rs in per_seed], 0)
+        length = np.median([[r["response_tokens"] for r in rs] for rs in per_seed], 0)
+        k = 10                                                          # a 10-step running mean
+        smooth = np.convolve(clip, np.ones(k) / k, mode="valid")
+        b1.plot(steps[k - 1:], smooth, color=colour, ls=ls, label=f"{loss} ({key})")
+        b2.plot(steps[k - 1:], np.convolve(length, np.ones(k) / k, mode="valid"), color=colour, ls=ls,
+                label=loss)
+    b1.set_xlabel("RL step")
+    b1.set_ylabel("share of tokens, median of 3 seeds, 10-step mean")
+    b1.set_title("clip_tokens; gate_tokens (gate weight below 1/2) for SAPO and VESPO", fontsize=10)
+    b1.grid(alpha=0.3)
+    b1.legend(fontsize=7, ncol=2)
+    b2.set_xlabel("RL step")
+    b2.set_ylabel("response_tokens (EOS included)")
+    b2.set_title("mean response length", fontsize=10)
+    b2.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(os.path.join(FIG_DIR, "family_clip.png"), dpi=120)
+
+
+def figures_family() -> dict:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    t0 = time.perf_counter()
+    os.makedirs(FIG_DIR, exist_ok=True)
+    path = os.path.join(FIG_DIR, "family.json")
+    reused = [n for n, _ in family_runs() if os.path.exists(os.path.join(FAMILY_RUNS, n, "summary.json"))]
+    earlier = 0.0                   # a resumed target adds the time of the invocations it reuses
+    if reused and os.path.exists(path):
+        with open(path) as f:
+            earlier = json.load(f).get("figures_family_seconds", 0.0)
+    run_all(family_runs(), folder=FAMILY_RUNS)
+    summary = family_summary()
+    plot_family(plt, summary)
+    plt.close("all")
+    summary["runs_reused"] = reused
+    summary["figures_family_seconds_this_invocation"] = time.perf_counter() - t0
+    summary["figures_family_seconds"] = earlier + summary["figures_family_seconds_this_invocation"]
+    write_json(path, summary, "python experiments.py figures-family", summary["figures_family_seconds"])
+    print(f"{'loss':9s} {'test acc before -> after (median of 3)':40s} {'seeds after':24s} "
+          f"{'clip/gate tokens':>16s} {'RL s':>6s}")
+    for loss, r in summary["by_loss"].items():
+        share = r["median_gate_tokens"] if loss in GATES else r["median_clip_tokens"]
+        print(f"{loss:9s} {r['median_before']:.3f} -> {r['median_after']:.3f}{'':26s} "
+              f"{', '.join(f'{a:.3f}' for a in r['seeds_after']):24s} {share:16.4f} "
+              f"{r['median_rl_seconds']:6.0f}")
+    print(f"{FIG_DIR}/family_accuracy.png, {FIG_DIR}/family_clip.png, {path}, "
+          f"{summary['figures_family_seconds']:.0f} s")
+    return summary
 
 
 if __name__ == "__main__":

@@ -73,7 +73,8 @@ import torch
 @dataclass
 class Config:
     loss: str = "gspo"
-    """objective: gspo (sequence ratio, eq. 5), gspo-token (eqs. 13-14) or grpo (token ratio, eq. 2)"""
+    """objective: gspo (sequence ratio, eq. 5), gspo-token (eqs. 13-14) or grpo (token ratio, eq. 2);
+    or a relative of GSPO: gmpo, sapo, sapo-seq, cispo, luspo, vespo (tutorial section 12)"""
     task: str = "add2"
     """problems: add2 (a+b, a,b < 100), add3 (a+b, a,b < 1000), mul2 (a*b, a,b < 100), or add2-chat
     (add2's problems asked as 'a + b = ?' of a chat model, needs --model; reward on the last number)"""
@@ -95,9 +96,14 @@ class Config:
     minibatches: int = 4
     """optimiser steps per rollout; every one after the first is off-policy"""
     eps_low: float | None = None
-    """lower clip width: clip(s, 1 - eps_low, ...); default 3e-4 for GSPO variants, 0.2 for GRPO"""
+    """lower clip width: clip(s, 1 - eps_low, ...); default 3e-4 for GSPO variants and LUSPO, 0.2 for
+    GRPO; GMPO's is in log space (default 0.4); CISPO, SAPO and VESPO have none"""
     eps_high: float | None = None
-    """upper clip width: clip(s, ..., 1 + eps_high); default 4e-4 for GSPO variants, 0.27 for GRPO"""
+    """upper clip width: clip(s, ..., 1 + eps_high); default 4e-4 for GSPO variants and LUSPO, 0.27
+    for GRPO; GMPO's is in log space (0.4); for CISPO the cap on each token's weight (5.0, above 1)"""
+    off_policy_mask: float | None = None
+    """DeepSeek-V3.2's off-policy sequence mask: drop a response with A < 0 once its per-token
+    cross-entropy has risen by more than this many nats since sampling (off by default)"""
     lr: float = 2e-4
     """AdamW learning rate of the RL stage, decayed linearly to 0 over --steps"""
     steps: int = 500
@@ -131,13 +137,16 @@ class Config:
     """CPU threads for torch (0: torch's default)"""
 
 
-LOSSES = ("gspo", "gspo-token", "grpo")
+LOSSES = ("gspo", "gspo-token", "grpo", "gmpo", "sapo", "sapo-seq", "cispo", "luspo", "vespo")
 TASKS = ("add2", "add3", "mul2", "add2-chat")
-DEFAULT_EPS = {"gspo": (3e-4, 4e-4), "gspo-token": (3e-4, 4e-4), "grpo": (0.2, 0.27)}
+DEFAULT_EPS = {"gspo": (3e-4, 4e-4), "gspo-token": (3e-4, 4e-4), "grpo": (0.2, 0.27),
+               "gmpo": (0.4, 0.4), "luspo": (3e-4, 4e-4), "cispo": (None, 5.0),
+               "sapo": (None, None), "sapo-seq": (None, None), "vespo": (None, None)}
 
 
-def resolved_eps(cfg: Config) -> tuple[float, float]:
-    """The clip widths, defaulting to the loss's own (GSPO 3e-4/4e-4, GRPO 0.2/0.27)."""
+def resolved_eps(cfg: Config) -> tuple[float | None, float | None]:
+    """The clip widths, defaulting to the loss's own (GSPO 3e-4/4e-4, GRPO 0.2/0.27); None where the
+    loss has no such bound."""
     low, high = DEFAULT_EPS[cfg.loss]
     return (low if cfg.eps_low is None else cfg.eps_low,
             high if cfg.eps_high is None else cfg.eps_high)
@@ -635,6 +644,38 @@ def off_policy_sequence_mask(logp_new, logp_old, advantages, mask, delta: float)
     return (advantages >= 0) | (-masked_mean(d, keep) <= delta)
 
 
+def gate_weight(loss: str, logp_new, logp_old, advantages, mask) -> torch.Tensor:
+    """(B, T) the weight SAPO's or VESPO's gate gives each token's gradient, relative to its
+    on-policy value 1: SAPO's slope 4 sigmoid (1 - sigmoid) at w_t (sapo) or s (sapo-seq), VESPO's
+    phi(W). Training logs the share of tokens below 1/2 as `gate_tokens`, the smooth gates'
+    counterpart of a clip fraction."""
+    delta, keep = _deltas(logp_new, logp_old, mask)
+    adv = _per_token(advantages, delta)
+    if loss == "vespo":
+        log_w = delta.sum(-1, keepdim=True)
+        k = torch.where(adv >= 0, 2.0, 3.0).to(delta.dtype)
+        lam = torch.where(adv >= 0, 3.0, 2.0).to(delta.dtype)
+        return torch.exp(lam + k * log_w - lam * torch.exp(log_w))
+    ratio = torch.exp(masked_mean(delta, keep)).unsqueeze(-1) if loss == "sapo-seq" else torch.exp(delta)
+    tau = torch.where(adv > 0, 1.0, 1.05).to(delta.dtype)
+    p = torch.sigmoid(tau * (ratio - 1))
+    return (4 * p * (1 - p)).expand_as(delta)
+
+
+def loss_value(loss: str, logp_new, logp_old, advantages, mask, eps_low, eps_high, num_tokens):
+    """The objective `loss` names, with the clip widths rl_update resolved (GMPO's in log space,
+    CISPO's eps_high its cap) and the token count the token-normalised losses divide by."""
+    if loss in LOSS_FNS:
+        return LOSS_FNS[loss](logp_new, logp_old, advantages, mask, eps_low, eps_high)
+    args = (logp_new, logp_old, advantages, mask)
+    return {"gmpo": lambda: gmpo_loss(*args, eps=(eps_low, eps_high)),
+            "sapo": lambda: sapo_loss(*args, level="token"),
+            "sapo-seq": lambda: sapo_loss(*args, level="sequence"),
+            "cispo": lambda: cispo_loss(*args, cap=eps_high, num_tokens=num_tokens),
+            "luspo": lambda: luspo_loss(*args, eps=(eps_low, eps_high)),
+            "vespo": lambda: vespo_loss(*args, num_tokens=num_tokens)}[loss]()
+
+
 # ---------------------------------------------------------------------------------------------
 # Batches: prompts to tensors, the policy's log-probs of given completions, and greedy accuracy.
 # ---------------------------------------------------------------------------------------------
@@ -798,15 +839,26 @@ def ratio_metrics(logp_new, logp_old, adv, mask, loss: str, eps_low: float, eps_
     """
     keep = mask != 0
     s = importance_ratio(logp_new, logp_old, mask)                          # (B,)
-    seq_clipped = clipped_on_active_side(s, adv, eps_low, eps_high)          # (B,)
-    if loss == "grpo":
-        w = torch.exp(torch.where(keep, logp_new - logp_old, torch.zeros_like(logp_new)))
-        tok_clipped = clipped_on_active_side(w, adv.unsqueeze(-1), eps_low, eps_high) & keep
-    else:
+    delta = torch.where(keep, logp_new - logp_old, torch.zeros_like(logp_new))
+    a = adv.unsqueeze(-1)
+    gated = torch.zeros_like(keep)
+    if loss in ("gspo", "gspo-token", "grpo", "luspo"):                     # a band on s
+        seq_clipped = clipped_on_active_side(s, adv, eps_low, eps_high)      # (B,)
         tok_clipped = seq_clipped.unsqueeze(-1) & keep
+    if loss == "grpo":                                                      # and on each token
+        tok_clipped = clipped_on_active_side(torch.exp(delta), a, eps_low, eps_high) & keep
+    elif loss == "gmpo":                                                    # each token, log space
+        tok_clipped = (((a > 0) & (delta > eps_high)) | ((a < 0) & (delta < -eps_low))) & keep
+    elif loss == "cispo":                        # a weight capped where it would push up (as TRL)
+        tok_clipped = (torch.exp(delta) > eps_high) & (a > 0) & keep
+    elif loss in ("sapo", "sapo-seq", "vespo"):                              # smooth gates
+        tok_clipped = torch.zeros_like(keep)
+        gated = (gate_weight(loss, logp_new, logp_old, adv, mask) < 0.5) & keep
+    if loss not in ("gspo", "gspo-token", "grpo", "luspo"):
+        seq_clipped = tok_clipped.any(-1)
     return {"s": s, "form_gap": form_gap(logp_new, logp_old, mask).max().item(),   # counts, not shares:
             "n_clip_tokens": tok_clipped.sum().item(), "n_tokens": keep.sum().item(),
-            "n_clip_seqs": seq_clipped.sum().item()}
+            "n_clip_seqs": seq_clipped.sum().item(), "n_gate_tokens": gated.sum().item()}
 
 
 def group_chunks(n_rows: int, group_size: int, minibatches: int, device) -> list[torch.Tensor]:
@@ -832,6 +884,8 @@ def summarise_minibatches(logs: list[dict]) -> dict:
             "clip_tokens": sum(m["n_clip_tokens"] for m in logs) / tokens,
             "clip_seqs": sum(m["n_clip_seqs"] for m in logs) / len(s),
             "clip_ceiling": sum(m.get("n_clip_ceiling", 0) for m in logs) / tokens,
+            "gate_tokens": sum(m.get("n_gate_tokens", 0) for m in logs) / tokens,
+            "masked_seqs": sum(m.get("n_masked_seqs", 0) for m in logs) / len(s),
             "form_gap": max(m["form_gap"] for m in logs)}
 
 
@@ -844,8 +898,9 @@ def rl_update(model, opt, batch: dict, cfg: Config, eps_low: float, eps_high: fl
     forward pass, detached, so s = 1 exactly there; for the others, one pass BEFORE the first
     update. Every later chunk is off-policy. Returns the step's metrics (`summarise_minibatches`).
     """
-    loss_fn, G = LOSS_FNS[cfg.loss], cfg.group_size
+    G = cfg.group_size
     chunks = group_chunks(len(batch["rewards"]), G, cfg.minibatches, batch["rewards"].device)
+    num_tokens = (batch["mask"] != 0).sum() / cfg.minibatches    # CISPO, VESPO: as TRL normalises
 
     def logprobs(idx):                                                   # (len(idx), T)
         return group_policy_logprobs(model, batch["prompt_ids"][idx], batch["prompt_mask"][idx],
@@ -857,8 +912,12 @@ def rl_update(model, opt, batch: dict, cfg: Config, eps_low: float, eps_high: fl
     for k, idx in enumerate(chunks):
         logp_new = logprobs(idx)
         logp_old = logp_new.detach() if k == 0 else later[k - 1]    # chunk 1: nothing has changed yet
-        adv, mask = batch["advantages"][idx], batch["mask"][idx]
-        loss = loss_fn(logp_new, logp_old, adv, mask, eps_low, eps_high)
+        adv, mask = batch["advantages"][idx], batch["mask"][idx] != 0
+        dropped = 0
+        if cfg.off_policy_mask is not None:           # DeepSeek-V3.2: drop drifted A < 0 responses
+            kept = off_policy_sequence_mask(logp_new, logp_old, adv, mask, cfg.off_policy_mask)
+            dropped, mask = (~kept & mask.any(-1)).sum().item(), mask & kept.unsqueeze(-1)
+        loss = loss_value(cfg.loss, logp_new, logp_old, adv, mask, eps_low, eps_high, num_tokens)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         if cfg.grad_clip > 0:
@@ -867,7 +926,8 @@ def rl_update(model, opt, batch: dict, cfg: Config, eps_low: float, eps_high: fl
         # a token can clip only off-policy (s = 1 in chunk 1) and only with A != 0 (no flat group)
         could_clip = 0 if k == 0 else ((mask != 0) & (adv != 0).unsqueeze(-1)).sum().item()
         logs.append({**ratio_metrics(logp_new.detach(), logp_old, adv, mask, cfg.loss, eps_low,
-                                     eps_high), "loss": loss.item(), "n_clip_ceiling": could_clip})
+                                     eps_high), "loss": loss.item(), "n_clip_ceiling": could_clip,
+                     "n_masked_seqs": dropped})
     return summarise_minibatches(logs)
 
 
@@ -1261,9 +1321,20 @@ def validate(cfg: Config) -> None:
         raise BadInput(f"unknown --device {cfg.device!r}; choose auto, cpu or cuda")
     if cfg.group_size < 2:
         raise BadInput(f"--group-size must be at least 2 (advantages compare responses), got {cfg.group_size}")
-    for name, eps in zip(("--eps-low", "--eps-high"), resolved_eps(cfg)):
-        if not 0 < eps < 1:
+    for name, default, eps in zip(("--eps-low", "--eps-high"), DEFAULT_EPS[cfg.loss], resolved_eps(cfg)):
+        if default is None and eps is not None:
+            raise BadInput(f"--loss {cfg.loss} has no {name} (tutorial section 12)")
+        if eps is None:
+            continue
+        if cfg.loss == "gmpo" and not eps > 0:
+            raise BadInput(f"{name} for gmpo is a log-space width and must be positive, got {eps}")
+        if cfg.loss == "cispo" and not eps > 1:
+            raise BadInput(f"--eps-high for cispo caps each token's weight and must exceed 1, got {eps}")
+        if cfg.loss not in ("gmpo", "cispo") and not 0 < eps < 1:
             raise BadInput(f"{name} must lie in (0, 1), got {eps}")
+    if cfg.off_policy_mask is not None and not cfg.off_policy_mask >= 0:
+        raise BadInput(f"--off-policy-mask is a threshold in nats and cannot be negative, got "
+                       f"{cfg.off_policy_mask}")
     for name in ("steps", "max_new_tokens", "prompts_per_step", "minibatches", "warmup_batch",
                  "eval_every", "val_size", "test_size"):
         if getattr(cfg, name) <= 0:

@@ -98,13 +98,50 @@ def test_model_flag_trains_a_local_save_pretrained_folder(tiny_run, tmp_path, ca
         assert json.load(f)["rl_steps"] == 2
 
 
-@pytest.mark.parametrize("loss", ["gspo-token", "grpo"])
-def test_every_loss_trains_and_uses_its_own_clip_defaults(loss, tmp_path):
-    assert g.main(TINY + ["--steps", "2", "--loss", loss, "--out", str(tmp_path / loss)]) == 0
+@pytest.mark.parametrize("loss", [name for name in g.LOSSES if name != "gspo"])
+def test_every_loss_trains_and_uses_its_own_clip_defaults(loss, tiny_run, tmp_path):
+    start = os.path.join(tiny_run[0], "checkpoint")           # already warmed up: RL steps only
+    assert g.main(TINY + ["--steps", "2", "--loss", loss, "--model", start, "--warmup-max-steps", "0",
+                          "--out", str(tmp_path / loss)]) == 0
     with open(tmp_path / loss / "summary.json") as f:
         summary = json.load(f)
     assert summary["loss"] == loss
     assert (summary["eps_low"], summary["eps_high"]) == g.DEFAULT_EPS[loss]
+    with open(tmp_path / loss / "metrics.jsonl") as f:
+        rl = [json.loads(line) for line in f if '"rl"' in line]
+    for r in rl:
+        assert 0 <= r["clip_tokens"] <= r["clip_ceiling"] and 0 <= r["gate_tokens"] <= 1
+        assert r["gate_tokens"] == 0 or loss in ("sapo", "sapo-seq", "vespo")
+
+
+def test_the_off_policy_mask_drops_only_drifted_responses_with_negative_advantage():
+    torch.manual_seed(0)
+    tok = g.build_char_tokenizer()
+    model = g.build_tiny_model(tok)
+    cfg = g.Config(prompts_per_step=8, group_size=4, minibatches=2, off_policy_mask=0.0, lr=1e-2)
+    batch = g.rollout(model, tok, [(a, a + 1) for a in range(8)], cfg, "cpu")
+    batch["advantages"] = torch.tensor([1.0, -1.0] * 16)           # every group: two A < 0 rows
+    m = g.rl_update(model, g.rl_optimizer(model, cfg)[0], batch, cfg, 3e-4, 4e-4)
+    # only off-policy (second-minibatch) rows with A < 0 can go: at most a quarter of the rollout
+    assert 0 < m["masked_seqs"] <= 0.25
+    cfg_off = dataclasses.replace(cfg, off_policy_mask=None)
+    assert g.rl_update(model, g.rl_optimizer(model, cfg_off)[0], batch, cfg_off, 3e-4, 4e-4)["masked_seqs"] == 0
+
+
+def test_relatives_count_their_clips_and_gates_in_the_scripts_units():
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]], dtype=torch.bool)
+    old = torch.zeros(2, 3, dtype=torch.float64)
+    new = torch.tensor([[0.5, 0.0, -0.1], [2.0, 0.0, 0.0]], dtype=torch.float64)
+    adv = torch.tensor([1.0, 1.0], dtype=torch.float64)
+    gm = g.ratio_metrics(new, old, adv, mask, "gmpo", 0.4, 0.4)      # 0.5 > 0.4 and 2.0 > 0.4
+    assert (gm["n_clip_tokens"], gm["n_clip_seqs"], gm["n_gate_tokens"]) == (2, 2, 0)
+    ci = g.ratio_metrics(new, old, adv, mask, "cispo", None, 5.0)    # only e^2 = 7.4 > 5
+    assert (ci["n_clip_tokens"], ci["n_clip_seqs"]) == (1, 1)
+    on = g.ratio_metrics(old, old, adv, mask, "sapo", None, None)     # on-policy: every gate at 1
+    assert on["n_gate_tokens"] == 0 and on["n_clip_tokens"] == 0
+    off = g.ratio_metrics(new * 3, old, adv, mask, "sapo", None, None)
+    weight = g.gate_weight("sapo", new * 3, old, adv, mask)
+    assert off["n_gate_tokens"] == ((weight < 0.5) & mask).sum().item() > 0
 
 
 def test_moe_model_trains_a_few_steps(tmp_path, capsys):
@@ -171,6 +208,11 @@ BAD = {
     "moe with a model": ["--moe", "--model", "gpt2"],
     "missing gguf file": ["--model", "no_such_model.gguf"],
     "chat task without a model": ["--task", "add2-chat"],
+    "gmpo with a negative log width": ["--loss", "gmpo", "--eps-low", "-0.1"],
+    "cispo with a cap below 1": ["--loss", "cispo", "--eps-high", "0.5"],
+    "cispo with a lower clip": ["--loss", "cispo", "--eps-low", "0.2"],
+    "sapo with a clip band": ["--loss", "sapo", "--eps-high", "0.2"],
+    "negative off-policy mask": ["--off-policy-mask", "-0.1"],
 }
 
 

@@ -88,6 +88,9 @@ def check_trl_can_run(cfg: g.Config) -> None:
     """BadInput for a Config that GRPOConfig cannot express."""
     if cfg.loss == "gspo-token":
         raise g.BadInput("TRL has no GSPO-token objective; use --loss gspo or --loss grpo")
+    if cfg.loss not in ("gspo", "grpo") or cfg.off_policy_mask is not None:
+        raise g.BadInput("make trl compares GSPO and GRPO only; test_trl.py checks the relatives "
+                         "against TRL's losses")
     if cfg.prompts_per_step * cfg.group_size % cfg.minibatches:
         raise g.BadInput("prompts-per-step x group-size must divide into --minibatches equal parts")
 
