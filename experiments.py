@@ -1695,12 +1695,13 @@ def figures_family() -> dict:
             earlier = json.load(f).get("figures_family_seconds", 0.0)
     run_all(family_runs(), folder=FAMILY_RUNS)
     summary = family_summary()
-    plot_family(plt, summary)
-    plt.close("all")
     summary["runs_reused"] = reused
     summary["figures_family_seconds_this_invocation"] = time.perf_counter() - t0
     summary["figures_family_seconds"] = earlier + summary["figures_family_seconds_this_invocation"]
+    # the numbers first: new PNGs beside them would read as a dirty tree
     write_json(path, summary, "python experiments.py figures-family", summary["figures_family_seconds"])
+    plot_family(plt, summary)
+    plt.close("all")
     print(f"{'loss':9s} {'test acc before -> after (median of 3)':40s} {'seeds after':24s} "
           f"{'clip/gate tokens':>16s} {'RL s':>6s}")
     for loss, r in summary["by_loss"].items():
