@@ -575,7 +575,10 @@ def gmpo_loss(logp_new, logp_old, advantages, mask, *, eps: tuple[float, float] 
 #   sequence level: J = (1/G) sum_i f(s_i) A_i                        (s_i = PPL_old / PPL_new)
 # f'(r) = 4 sigmoid (1 - sigmoid): 1 at r = 1 (on-policy it is the plain policy gradient) and
 # falling smoothly to 0 as r leaves 1; the larger tau, the narrower the region that still learns.
-def sapo_loss(logp_new, logp_old, advantages, mask, *, tau: tuple[float, float] = (1.0, 1.05),
+SAPO_TAU = (1.0, 1.05)                  # (tau_pos, tau_neg), the paper's
+
+
+def sapo_loss(logp_new, logp_old, advantages, mask, *, tau: tuple[float, float] = SAPO_TAU,
               level: str = "token") -> torch.Tensor:
     """SAPO, tau = (tau_pos, tau_neg); level "token" (the paper's) or "sequence" (the gate on GSPO's s,
     TRL's importance_sampling_level="sequence")."""
@@ -620,8 +623,11 @@ def luspo_loss(logp_new, logp_old, advantages, mask, *, eps: tuple[float, float]
 #   W_i = prod_t w_it = exp(sum_t delta_it) = (PPL_old / PPL_new) ** |y_i| = s_i ** |y_i|
 #   phi(W) = W^k exp(lam (1 - W)),  phi(1) = 1, largest at W = k / lam, vanishing as W -> 0 or inf
 #   J = (1 / sum_i |y_i|) sum_i sum_t sg[phi(W_i)] A_i log pi_new(y_it)
-def vespo_loss(logp_new, logp_old, advantages, mask, *, k: tuple[float, float] = (2.0, 3.0),
-               lam: tuple[float, float] = (3.0, 2.0), num_tokens=None) -> torch.Tensor:
+VESPO_K, VESPO_LAM = (2.0, 3.0), (3.0, 2.0)     # (for A >= 0, for A < 0), the paper's
+
+
+def vespo_loss(logp_new, logp_old, advantages, mask, *, k: tuple[float, float] = VESPO_K,
+               lam: tuple[float, float] = VESPO_LAM, num_tokens=None) -> torch.Tensor:
     """VESPO, k = (k_pos, k_neg), lam = (lam_pos, lam_neg), chosen by A >= 0 / A < 0. phi is computed
     in log space with no clamp (TRL 1.16 clamps each delta to +-20 and log W to [log 1e-8, 20])."""
     delta, keep = _deltas(logp_new, logp_old, mask)
@@ -653,11 +659,11 @@ def gate_weight(loss: str, logp_new, logp_old, advantages, mask) -> torch.Tensor
     adv = _per_token(advantages, delta)
     if loss == "vespo":
         log_w = delta.sum(-1, keepdim=True)
-        k = torch.where(adv >= 0, 2.0, 3.0).to(delta.dtype)
-        lam = torch.where(adv >= 0, 3.0, 2.0).to(delta.dtype)
+        k = torch.where(adv >= 0, *VESPO_K).to(delta.dtype)
+        lam = torch.where(adv >= 0, *VESPO_LAM).to(delta.dtype)
         return torch.exp(lam + k * log_w - lam * torch.exp(log_w))
     ratio = torch.exp(masked_mean(delta, keep)).unsqueeze(-1) if loss == "sapo-seq" else torch.exp(delta)
-    tau = torch.where(adv > 0, 1.0, 1.05).to(delta.dtype)
+    tau = torch.where(adv > 0, *SAPO_TAU).to(delta.dtype)
     p = torch.sigmoid(tau * (ratio - 1))
     return (4 * p * (1 - p)).expand_as(delta)
 
