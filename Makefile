@@ -52,7 +52,7 @@ verify: $(STAMP)  ## the papers' predictions measured on runs/train (trains firs
 figures: $(STAMP)  ## the runs the plots need, then the PNGs in figures/ (about 17 min on 2 cores)
 	$(PY) experiments.py figures
 
-figures-family: $(STAMP)  ## every relative of GSPO and GSPO and GRPO on add2, 3 seeds: figures/family.json and PNGs (about 25 min)
+figures-family: $(STAMP)  ## every relative of GSPO and GSPO and GRPO on add2, 3 seeds: figures/family.json and PNGs (about 21 min)
 	$(PY) experiments.py figures-family
 
 gpu-check: $(if $(NOVENV),,$(STAMP))  ## the CUDA path against the CPU, in minutes; NOVENV=1 PYTHON=python3 uses the host's own packages

@@ -718,7 +718,7 @@ def test_one_wild_token_is_clipped_by_grpo_but_not_gspo_and_the_reverse():
 
 
 # ---------------------------------------------------------------------------------------------
-# 13. Relatives of GSPO: what each reduces to, its on-policy gradient, masks and empty rows.
+# 17. Relatives of GSPO: what each reduces to, its on-policy gradient, masks and empty rows.
 # ---------------------------------------------------------------------------------------------
 RELATIVES = {
     "gmpo": g.gmpo_loss,
