@@ -578,18 +578,23 @@ def gmpo_loss(logp_new, logp_old, advantages, mask, *, eps: tuple[float, float] 
 SAPO_TAU = (1.0, 1.05)                  # (tau_pos, tau_neg), the paper's
 
 
-def sapo_loss(logp_new, logp_old, advantages, mask, *, tau: tuple[float, float] = SAPO_TAU,
-              level: str = "token") -> torch.Tensor:
-    """SAPO, tau = (tau_pos, tau_neg); level "token" (the paper's) or "sequence" (the gate on GSPO's s,
-    TRL's importance_sampling_level="sequence")."""
-    delta, keep = _deltas(logp_new, logp_old, mask)
+def _sapo_terms(delta, keep, advantages, tau, level: str):
+    """SAPO's ratio, advantage and temperature, of one shape: (B, T) per token, (B,) per sequence."""
     if level == "sequence":
         ratio, adv = torch.exp(masked_mean(delta, keep)), advantages                # (B,)
     elif level == "token":
         ratio, adv = torch.exp(delta), _per_token(advantages, delta)                 # (B, T)
     else:
         raise ValueError(f"level must be 'token' or 'sequence', got {level!r}")
-    t = torch.where(adv > 0, tau[0], tau[1]).to(ratio.dtype)
+    return ratio, adv, torch.where(adv > 0, tau[0], tau[1]).to(ratio.dtype)
+
+
+def sapo_loss(logp_new, logp_old, advantages, mask, *, tau: tuple[float, float] = SAPO_TAU,
+              level: str = "token") -> torch.Tensor:
+    """SAPO, tau = (tau_pos, tau_neg); level "token" (the paper's) or "sequence" (the gate on GSPO's s,
+    TRL's importance_sampling_level="sequence")."""
+    delta, keep = _deltas(logp_new, logp_old, mask)
+    ratio, adv, t = _sapo_terms(delta, keep, advantages, tau, level)
     gated = torch.sigmoid(t * (ratio - 1)) * 4 / t * adv
     return _per_row(gated if level == "sequence" else masked_mean(gated, keep), keep)
 
@@ -626,16 +631,20 @@ def luspo_loss(logp_new, logp_old, advantages, mask, *, eps: tuple[float, float]
 VESPO_K, VESPO_LAM = (2.0, 3.0), (3.0, 2.0)     # (for A >= 0, for A < 0), the paper's
 
 
+def _vespo_phi(log_w, advantages, k, lam) -> torch.Tensor:
+    """phi(W) = exp(lam + k log W - lam W) per row (B,), k and lam by the sign of A; 0 where W overflows."""
+    pos = advantages >= 0
+    kk = torch.where(pos, k[0], k[1]).to(log_w.dtype)
+    ll = torch.where(pos, lam[0], lam[1]).to(log_w.dtype)
+    return torch.exp(ll + kk * log_w - ll * torch.exp(log_w))
+
+
 def vespo_loss(logp_new, logp_old, advantages, mask, *, k: tuple[float, float] = VESPO_K,
                lam: tuple[float, float] = VESPO_LAM, num_tokens=None) -> torch.Tensor:
     """VESPO, k = (k_pos, k_neg), lam = (lam_pos, lam_neg), chosen by A >= 0 / A < 0. phi is computed
     in log space with no clamp (TRL 1.16 clamps each delta to +-20 and log W to [log 1e-8, 20])."""
     delta, keep = _deltas(logp_new, logp_old, mask)
-    log_w = delta.sum(-1).detach()                                        # (B,) log W_i
-    pos = advantages >= 0
-    kk = torch.where(pos, k[0], k[1]).to(log_w.dtype)
-    ll = torch.where(pos, lam[0], lam[1]).to(log_w.dtype)
-    phi = torch.exp(ll + kk * log_w - ll * torch.exp(log_w))             # (B,), 0 where W overflows
+    phi = _vespo_phi(delta.sum(-1).detach(), advantages, k, lam)         # (B,), from log W_i
     logp = torch.where(keep, logp_new, torch.zeros_like(logp_new))
     return _token_sum((phi * advantages).unsqueeze(-1) * logp, keep, num_tokens)
 
@@ -656,16 +665,14 @@ def gate_weight(loss: str, logp_new, logp_old, advantages, mask) -> torch.Tensor
     phi(W). Training logs the share of tokens below 1/2 as `gate_tokens`, the smooth gates'
     counterpart of a clip fraction."""
     delta, keep = _deltas(logp_new, logp_old, mask)
-    adv = _per_token(advantages, delta)
     if loss == "vespo":
-        log_w = delta.sum(-1, keepdim=True)
-        k = torch.where(adv >= 0, *VESPO_K).to(delta.dtype)
-        lam = torch.where(adv >= 0, *VESPO_LAM).to(delta.dtype)
-        return torch.exp(lam + k * log_w - lam * torch.exp(log_w))
-    ratio = torch.exp(masked_mean(delta, keep)).unsqueeze(-1) if loss == "sapo-seq" else torch.exp(delta)
-    tau = torch.where(adv > 0, *SAPO_TAU).to(delta.dtype)
-    p = torch.sigmoid(tau * (ratio - 1))
-    return (4 * p * (1 - p)).expand_as(delta)
+        weight = _vespo_phi(delta.sum(-1), advantages, VESPO_K, VESPO_LAM)      # (B,)
+    else:
+        ratio, _, t = _sapo_terms(delta, keep, advantages, SAPO_TAU,
+                                  "sequence" if loss == "sapo-seq" else "token")
+        p = torch.sigmoid(t * (ratio - 1))
+        weight = 4 * p * (1 - p)                                                # (B,) or (B, T)
+    return (weight.unsqueeze(-1) if weight.dim() == 1 else weight).expand_as(delta)
 
 
 def loss_value(loss: str, logp_new, logp_old, advantages, mask, eps_low, eps_high, num_tokens):
@@ -843,24 +850,24 @@ def ratio_metrics(logp_new, logp_old, adv, mask, loss: str, eps_low: float, eps_
     pg_clipfrac counts), so that `clip_tokens` has one unit for GSPO and GRPO; `clip_seqs` counts
     GSPO's sequences.
     """
-    keep = mask != 0
+    delta, keep = _deltas(logp_new, logp_old, mask)
     s = importance_ratio(logp_new, logp_old, mask)                          # (B,)
-    delta = torch.where(keep, logp_new - logp_old, torch.zeros_like(logp_new))
     a = adv.unsqueeze(-1)
     gated = torch.zeros_like(keep)
-    if loss in ("gspo", "gspo-token", "grpo", "luspo"):                     # a band on s
-        seq_clipped = clipped_on_active_side(s, adv, eps_low, eps_high)      # (B,)
-        tok_clipped = seq_clipped.unsqueeze(-1) & keep
-    if loss == "grpo":                                                      # and on each token
+    band_on_s = loss in ("gspo", "gspo-token", "grpo", "luspo")
+    seq_clipped = clipped_on_active_side(s, adv, eps_low, eps_high) if band_on_s else None   # (B,)
+    if loss == "grpo":                                                      # each token's own ratio
         tok_clipped = clipped_on_active_side(torch.exp(delta), a, eps_low, eps_high) & keep
+    elif band_on_s:                                          # a clipped sequence clips its tokens
+        tok_clipped = seq_clipped.unsqueeze(-1) & keep
     elif loss == "gmpo":                                                    # each token, log space
         tok_clipped = (((a > 0) & (delta > eps_high)) | ((a < 0) & (delta < -eps_low))) & keep
     elif loss == "cispo":                        # a weight capped where it would push up (as TRL)
         tok_clipped = (torch.exp(delta) > eps_high) & (a > 0) & keep
-    elif loss in ("sapo", "sapo-seq", "vespo"):                              # smooth gates
+    else:                                                                   # smooth gates
         tok_clipped = torch.zeros_like(keep)
         gated = (gate_weight(loss, logp_new, logp_old, adv, mask) < 0.5) & keep
-    if loss not in ("gspo", "gspo-token", "grpo", "luspo"):
+    if seq_clipped is None:
         seq_clipped = tok_clipped.any(-1)
     return {"s": s, "form_gap": form_gap(logp_new, logp_old, mask).max().item(),   # counts, not shares:
             "n_clip_tokens": tok_clipped.sum().item(), "n_tokens": keep.sum().item(),
