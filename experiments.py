@@ -153,6 +153,14 @@ def centred_autocorrelation(delta: torch.Tensor, max_lag: int) -> list[float]:
     return [(z[:, :-k] * z[:, k:]).mean().item() for k in range(1, max_lag + 1)]
 
 
+def bootstrap_slopes(boot: torch.Tensor, xs) -> torch.Tensor:
+    """Log-log slope of each bootstrap resample's variances (n_boot, K) against xs (K,)."""
+    lx = torch.log(torch.tensor(xs, dtype=boot.dtype))
+    lx = lx - lx.mean()
+    ly = torch.log(boot)
+    return ((ly - ly.mean(1, keepdim=True)) * lx).sum(1) / (lx * lx).sum()
+
+
 def variance_profile(delta: torch.Tensor, lengths, n_boot: int = 1000, seed: int = 0) -> dict:
     """Var(log s) against prefix length with bootstrap 95% intervals (responses resampled) on
     every point and on the log-log slope; per-position variance and the uncorrelated reference."""
@@ -163,10 +171,7 @@ def variance_profile(delta: torch.Tensor, lengths, n_boot: int = 1000, seed: int
     gen = torch.Generator().manual_seed(seed)
     idx = torch.randint(len(pre), (n_boot, len(pre)), generator=gen)
     boot = pre[idx].var(1)                                               # (n_boot, K)
-    lx = torch.log(torch.tensor(lengths, dtype=boot.dtype))
-    lx = lx - lx.mean()
-    ly = torch.log(boot)
-    slopes = ((ly - ly.mean(1, keepdim=True)) * lx).sum(1) / (lx * lx).sum()
+    slopes = bootstrap_slopes(boot, lengths)
     q = torch.tensor([0.025, 0.975], dtype=boot.dtype)
     return {"lengths": list(lengths), "var": var.tolist(),
             "var_ci95": torch.quantile(boot, q, dim=0).T.tolist(),
@@ -815,10 +820,7 @@ def binned_variance(log_s: torch.Tensor, lengths: torch.Tensor, bins: int, n_boo
     gen = torch.Generator().manual_seed(0)
     boot = torch.stack([log_s[p][torch.randint(len(p), (n_boot, len(p)), generator=gen)].var(1)
                         for p in parts], dim=1)                             # (n_boot, bins)
-    lx = torch.log(torch.tensor(x, dtype=boot.dtype))
-    lx = lx - lx.mean()
-    ly = boot.log()
-    slopes = ((ly - ly.mean(1, keepdim=True)) * lx).sum(1) / (lx * lx).sum()
+    slopes = bootstrap_slopes(boot, x)
     q = torch.tensor([0.025, 0.975], dtype=boot.dtype)
     return {"median_length": x, "answers": [len(p) for p in parts], "var": var,
             "var_ci95": torch.quantile(boot, q, dim=0).T.tolist(), "slope": loglog_slope(x, var),
@@ -832,18 +834,14 @@ def clip_counts(seen: list[dict], loss: str, eps: tuple[float, float]) -> dict:
     the sequence's ratio; GRPO: a sequence with at least one clipped token)."""
     tok_clip = seq_clip = tokens = seqs = 0
     for m in seen:
-        keep = m["mask"] != 0
-        if loss == "grpo":
-            w = torch.exp(torch.where(keep, m["logp_new"] - m["logp_old"], 0.0))
-            clipped = g.clipped_on_active_side(w, m["adv"][:, None], *eps) & keep
+        r = g.ratio_metrics(m["logp_new"], m["logp_old"], m["adv"], m["mask"], loss, *eps)
+        tok_clip, tokens, seqs = tok_clip + r["n_clip_tokens"], tokens + r["n_tokens"], seqs + len(m["adv"])
+        if loss == "grpo":                     # the script's clip_seqs is GSPO's: count by token here
+            delta = torch.where(m["mask"] != 0, m["logp_new"] - m["logp_old"], 0.0)
+            clipped = g.clipped_on_active_side(delta.exp(), m["adv"][:, None], *eps) & (m["mask"] != 0)
             seq_clip += clipped.any(1).sum().item()
         else:
-            row = g.clipped_on_active_side(m["s"], m["adv"], *eps)
-            clipped = row[:, None] & keep
-            seq_clip += row.sum().item()
-        tok_clip += clipped.sum().item()
-        tokens += keep.sum().item()
-        seqs += len(keep)
+            seq_clip += r["n_clip_seqs"]
     return {"clip_tokens": tok_clip / tokens, "clip_seqs": seq_clip / seqs, "tokens": tokens,
             "sequences": seqs}
 
@@ -1139,12 +1137,9 @@ def plot_pretrained(r: dict) -> None:
     u = r["measurement"]
     p = u["variance_prefix_64"]
     L = np.array(p["lengths"])
-    ci = np.array(p["var_ci95"])
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4.2))
-    a1.loglog(L, p["var"], color="#0072B2", marker="o", label="prefixes of answers >= 64 tokens (95% CI)")
-    a1.fill_between(L, ci[:, 0], ci[:, 1], color="#0072B2", alpha=0.2)
-    a1.loglog(L, p["uncorrelated"], color="#E69F00", ls="--", marker="^",
-              label="if uncorrelated: (1/L^2) sum of per-position variances")
+    variance_panels(a1, a2, L, p["var"], p["var_ci95"], p["uncorrelated"], p["var_by_position"],
+                    "answer", "prefixes of answers >= 64 tokens (95% CI)")
     b = u["variance_by_natural_length"]
     if b:
         bci = np.array(b["var_ci95"])
@@ -1154,18 +1149,11 @@ def plot_pretrained(r: dict) -> None:
     ref = p["var"][0] / L
     a1.loglog(L, ref, color="grey", lw=0.8, label="1/L from L = 1")
     a1.set_xlabel("length L (tokens)")
-    a1.set_ylabel("Var(log s) over answers")
     lo, hi = p["slope_ci95"]
     a1.set_title(f"SmolLM2-135M-Instruct, one GSPO update: prefix slope {p['slope']:+.2f} "
                  f"[{lo:+.2f}, {hi:+.2f}]", fontsize=9)
-    a1.grid(alpha=0.3, which="both")
     a1.legend(fontsize=7)
-    pos = np.arange(1, len(p["var_by_position"]) + 1)
-    a2.semilogy(pos, p["var_by_position"], color="#0072B2", lw=1)
-    a2.set_xlabel("position t in the answer")
-    a2.set_ylabel("Var over answers of the token log-ratio at t")
     a2.set_title("per-position variance of the token log-ratio", fontsize=9)
-    a2.grid(alpha=0.3, which="both")
     fig.tight_layout()
     os.makedirs(FIG_DIR, exist_ok=True)
     fig.savefig(os.path.join(FIG_DIR, "pretrained_variance.png"), dpi=120)
@@ -1271,6 +1259,16 @@ def run_all(runs, workers: int = 2, folder: str = FIG_RUNS) -> None:
             if proc.poll() is not None:
                 active.remove((name, proc))
                 print(f"finished {name} (exit {proc.returncode})", flush=True)
+
+
+def reused_runs(runs, folder: str, result_json: str, key: str) -> tuple[list[str], float]:
+    """The runs a resumed target keeps, and the seconds its earlier invocations took (from its
+    result JSON), so the target reports its whole time."""
+    reused = [n for n, _ in runs if os.path.exists(os.path.join(folder, n, "summary.json"))]
+    if not (reused and os.path.exists(result_json)):
+        return reused, 0.0
+    with open(result_json) as f:
+        return reused, json.load(f).get(key, 0.0)
 
 
 def read_metrics(name: str, folder: str = FIG_RUNS) -> list[dict]:
@@ -1421,31 +1419,36 @@ def plot_control(plt) -> None:
     fig.savefig(os.path.join(FIG_DIR, "reward_vs_step.png"), dpi=120)
 
 
-def plot_variance(plt, v: dict) -> None:
+def variance_panels(a1, a2, L, var, ci, uncorrelated, by_position, noun: str, label: str) -> None:
+    """The two panels every variance plot shares: Var(log s) against prefix length with its
+    bootstrap band and the uncorrelated reference (log-log), and the per-position variance."""
     import numpy as np
-    L = np.array(v["variance_lengths"])
-    var = np.array(v["variance_log_s"])
-    ci = np.array(v["variance_log_s_ci95_by_length"])
-    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4.2))
-    a1.loglog(L, var, color="#0072B2", marker="o", label="Var(log s), real update (95% bootstrap CI)")
-    a1.fill_between(L, ci[:, 0], ci[:, 1], color="#0072B2", alpha=0.2)
-    a1.loglog(L, v["variance_uncorrelated"], color="#E69F00", ls="--", marker="^",
+    a1.loglog(L, var, color="#0072B2", marker="o", label=label)
+    a1.fill_between(L, np.array(ci)[:, 0], np.array(ci)[:, 1], color="#0072B2", alpha=0.2)
+    a1.loglog(L, uncorrelated, color="#E69F00", ls="--", marker="^",
               label="if uncorrelated: (1/L^2) sum of per-position variances")
+    a1.set_ylabel(f"Var(log s) over {noun}s")
+    a1.grid(alpha=0.3, which="both")
+    a2.semilogy(np.arange(1, len(by_position) + 1), by_position, color="#0072B2", lw=1)
+    a2.set_xlabel(f"position t in the {noun}")
+    a2.set_ylabel(f"Var over {noun}s of the token log-ratio at t")
+    a2.grid(alpha=0.3, which="both")
+
+
+def plot_variance(plt, v: dict) -> None:
+    L = v["variance_lengths"]
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    variance_panels(a1, a2, L, v["variance_log_s"], v["variance_log_s_ci95_by_length"],
+                    v["variance_uncorrelated"], v["variance_by_position"], "response",
+                    "Var(log s), real update (95% bootstrap CI)")
     a1.loglog(L, v["variance_independent"], color="#009E73", ls=":", marker="s",
               label="synthetic independent tokens (slope -1)")
     a1.set_xlabel("prefix length L (tokens)")
-    a1.set_ylabel("variance over responses")
     lo, hi = v["variance_slope_log_s_ci95"]
     a1.set_title(f"slope {v['variance_slope_log_s']:+.2f} [{lo:+.2f}, {hi:+.2f}]; "
                  f"uncorrelated reference {v['variance_slope_uncorrelated']:+.2f}", fontsize=9)
-    a1.grid(alpha=0.3, which="both")
     a1.legend(fontsize=7)
-    pos = np.arange(1, len(v["variance_by_position"]) + 1)
-    a2.semilogy(pos, v["variance_by_position"], color="#0072B2", lw=1)
-    a2.set_xlabel("position t in the response")
-    a2.set_ylabel("Var over responses of the token log-ratio at t")
     a2.set_title("per-position variance: the EOS-suppressed text is not stationary", fontsize=9)
-    a2.grid(alpha=0.3, which="both")
     fig.tight_layout()
     fig.savefig(os.path.join(FIG_DIR, "variance_vs_length.png"), dpi=120)
 
@@ -1505,11 +1508,8 @@ def figures() -> None:
     t0 = time.perf_counter()
     os.makedirs(FIG_RUNS, exist_ok=True)
     os.makedirs(FIG_DIR, exist_ok=True)
-    reused = [n for n, _ in figure_runs() if os.path.exists(os.path.join(FIG_RUNS, n, "summary.json"))]
-    earlier = 0.0                   # a resumed target adds the time of the invocations it reuses
-    if reused and os.path.exists(os.path.join(FIG_DIR, "figures.json")):
-        with open(os.path.join(FIG_DIR, "figures.json")) as f:
-            earlier = json.load(f).get("figures_seconds", 0.0)
+    reused, earlier = reused_runs(figure_runs(), FIG_RUNS, os.path.join(FIG_DIR, "figures.json"),
+                                  "figures_seconds")
     if not os.path.exists(os.path.join(VERIFY_DIR, "verify.json")):
         verify()
     with open(os.path.join(VERIFY_DIR, "verify.json")) as f:
@@ -1554,21 +1554,26 @@ def figures() -> None:
           f"in {summary['figures_seconds']:.0f} s")
 
 
+def run_record(name: str, args: list[str], folder: str = FIG_RUNS) -> tuple[dict, dict, list[dict]]:
+    """What figures.json and family.json keep of one run; its summary.json; its RL steps' metrics."""
+    s = read_summary(name, folder)
+    rl = [r for r in read_metrics(name, folder) if r["stage"] == "rl"]
+    return {"name": name, "seed": s["seed"], "loss": s["loss"],
+            "settings": args + ["--steps", str(FIG_STEPS), "--threads", "1"],
+            "accuracy_before_rl": s["accuracy_before_rl"], "accuracy_after_rl": s["accuracy_after_rl"],
+            "wall_seconds": s["wall_seconds"],
+            "clip_tokens": statistics.fmean(r["clip_tokens"] for r in rl),
+            "clip_seqs": statistics.fmean(r["clip_seqs"] for r in rl)}, s, rl
+
+
 def figure_summary() -> dict:
     """The numbers tutorial.md quotes from the figure runs: every run's settings and results, the
     per-group medians, and the dense runs' clip fractions over each half of training."""
     import numpy as np
     runs, groups = [], {}
     for name, args in figure_runs():
-        s = read_summary(name)
-        rl = [r for r in read_metrics(name) if r["stage"] == "rl"]
-        runs.append({"name": name, "seed": s["seed"], "loss": s["loss"],
-                     "settings": args + ["--steps", str(FIG_STEPS), "--threads", "1"],
-                     "accuracy_before_rl": s["accuracy_before_rl"],
-                     "accuracy_after_rl": s["accuracy_after_rl"], "wall_seconds": s["wall_seconds"],
-                     "warmup_steps": s["warmup_steps"],
-                     "clip_tokens": statistics.fmean(r["clip_tokens"] for r in rl),
-                     "clip_seqs": statistics.fmean(r["clip_seqs"] for r in rl)})
+        run, s, _ = run_record(name, args)
+        runs.append({**run, "warmup_steps": s["warmup_steps"]})
         groups.setdefault(name.rsplit("_s", 1)[0], []).append(runs[-1])
     accuracy = {group: {"median": float(np.median([r["accuracy_after_rl"] for r in rs])),
                         "median_before": float(np.median([r["accuracy_before_rl"] for r in rs])),
@@ -1606,17 +1611,11 @@ def family_summary() -> dict:
     import numpy as np
     runs = []
     for name, args in family_runs():
-        s = read_summary(name, FAMILY_RUNS)
-        rl = [r for r in read_metrics(name, FAMILY_RUNS) if r["stage"] == "rl"]
-        run = {"name": name, "seed": s["seed"], "loss": s["loss"],
-               "settings": args + ["--steps", str(FIG_STEPS), "--threads", "1"],
-               "accuracy_before_rl": s["accuracy_before_rl"], "accuracy_after_rl": s["accuracy_after_rl"],
-               "wall_seconds": s["wall_seconds"], "rl_seconds": s["rl_seconds"],
-               "clip_tokens": statistics.fmean(r["clip_tokens"] for r in rl),
-               "clip_seqs": statistics.fmean(r["clip_seqs"] for r in rl),
-               "mean_response_tokens_first_10_steps": statistics.fmean(r["response_tokens"] for r in rl[:10]),
-               "mean_response_tokens_last_10_steps": statistics.fmean(r["response_tokens"] for r in rl[-10:])}
-        if s["loss"] in GATES:
+        run, s, rl = run_record(name, args, FAMILY_RUNS)
+        run.update(rl_seconds=s["rl_seconds"],
+                   mean_response_tokens_first_10_steps=statistics.fmean(r["response_tokens"] for r in rl[:10]),
+                   mean_response_tokens_last_10_steps=statistics.fmean(r["response_tokens"] for r in rl[-10:]))
+        if run["loss"] in GATES:
             run["gate_tokens"] = statistics.fmean(r["gate_tokens"] for r in rl)
         runs.append(run)
     by_loss = {}
@@ -1688,11 +1687,7 @@ def figures_family() -> dict:
     t0 = time.perf_counter()
     os.makedirs(FIG_DIR, exist_ok=True)
     path = os.path.join(FIG_DIR, "family.json")
-    reused = [n for n, _ in family_runs() if os.path.exists(os.path.join(FAMILY_RUNS, n, "summary.json"))]
-    earlier = 0.0                   # a resumed target adds the time of the invocations it reuses
-    if reused and os.path.exists(path):
-        with open(path) as f:
-            earlier = json.load(f).get("figures_family_seconds", 0.0)
+    reused, earlier = reused_runs(family_runs(), FAMILY_RUNS, path, "figures_family_seconds")
     run_all(family_runs(), folder=FAMILY_RUNS)
     summary = family_summary()
     summary["runs_reused"] = reused
