@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 SEED   ?= 0
 export HF_HUB_OFFLINE ?= 1
 
-.PHONY: train test test-thorough verify figures trl test-trl bench test-pretrained pretrained figures-family gpu-check clean
+.PHONY: train test test-thorough verify figures trl test-trl bench test-pretrained pretrained figures-family figures-long gpu-check clean
 
 $(STAMP): requirements.txt
 	$(PYTHON) -m venv $(VENV)
@@ -54,6 +54,9 @@ figures: $(STAMP)  ## the runs the plots need, then the PNGs in figures/ (about 
 
 figures-family: $(STAMP)  ## every relative of GSPO and GSPO and GRPO on add2, 3 seeds: figures/family.json and PNGs (about 21 min)
 	$(PY) experiments.py figures-family
+
+figures-long: $(STAMP)  ## long answers (--task addwork): GSPO, GSPO-token, GRPO, the aggregation trap, 8 minibatches, the control, 3 seeds; variance on natural answers: figures/long.json and PNGs
+	$(PY) experiments.py figures-long
 
 gpu-check: $(if $(NOVENV),,$(STAMP))  ## the CUDA path against the CPU, in minutes; NOVENV=1 PYTHON=python3 uses the host's own packages
 	$(if $(NOVENV),$(PYTHON),$(PY)) experiments.py gpu-check

@@ -8,6 +8,7 @@
     python experiments.py gpu-check  # `make gpu-check`: the CUDA path, against the CPU, in minutes
     python experiments.py pretrained # `make pretrained`: SmolLM2-135M-Instruct, figures/pretrained.json
     python experiments.py figures-family  # `make figures-family`: GSPO's relatives on add2, figures/family.json
+    python experiments.py figures-long    # `make figures-long`: long answers (addwork), figures/long.json
 
 Everything here imports gspo_minimal and adds no training logic of its own: the updates measured are
 `gspo_minimal.rl_update` with the script's own optimiser (`rl_optimizer`) at its defaults, the
@@ -20,6 +21,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import dataclasses
 import functools
 import hashlib
 import json
@@ -75,7 +77,7 @@ def problems(n: int, rng: random.Random, task: str = "add2"):
 
 def one_update(model, tok, cfg: g.Config, rng: random.Random, opt) -> dict:
     """One real GSPO step at the script's defaults: a fresh rollout and its minibatch updates."""
-    batch = g.rollout(model, tok, problems(cfg.prompts_per_step, rng), cfg, "cpu")
+    batch = g.rollout(model, tok, problems(cfg.prompts_per_step, rng, cfg.task), cfg, "cpu")
     return g.rl_update(model, opt, batch, cfg, *g.resolved_eps(cfg))
 
 
@@ -107,7 +109,7 @@ def logprobs_in_chunks(model, batch: dict, dtype=torch.float32, chunk: int = 512
 
 def big_rollout(model, tok, n_prompts: int, cfg: g.Config, rng: random.Random) -> dict:
     """n_prompts x G sampled completions, in rollouts of the default size, concatenated."""
-    parts = [g.rollout(model, tok, problems(cfg.prompts_per_step, rng), cfg, "cpu")
+    parts = [g.rollout(model, tok, problems(cfg.prompts_per_step, rng, cfg.task), cfg, "cpu")
              for _ in range(math.ceil(n_prompts / cfg.prompts_per_step))]
     T = max(p["completions"].shape[1] for p in parts)
 
@@ -1193,9 +1195,12 @@ def main(argv=None) -> int:
     if argv and argv[0] == "_logprobs":                  # child process of measure_logprobs
         print(json.dumps(logprobs_variant(argv[1], argv[2])))
         return 0
+    if argv and argv[0] == "_warmup":                    # child process of figures-long
+        long_warmup(int(argv[1]), argv[2], argv[3:])
+        return 0
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("what", choices=["verify", "figures", "figures-family", "sampler", "metrics",
-                                         "logprobs", "gpu-check", "pretrained"])
+    parser.add_argument("what", choices=["verify", "figures", "figures-family", "figures-long", "sampler",
+                                         "metrics", "logprobs", "gpu-check", "pretrained"])
     parser.add_argument("folder", nargs="?", default=TRAIN_DIR, help="run folder for `metrics`")
     parser.add_argument("--device", default="cuda", help="gpu-check: the device to check")
     args = parser.parse_args(argv)
@@ -1210,7 +1215,8 @@ def main(argv=None) -> int:
         return 0
     from transformers.utils import logging as hf_logging
     hf_logging.disable_progress_bar()
-    {"verify": verify, "figures": figures, "figures-family": figures_family, "sampler": bench_sampler,
+    {"verify": verify, "figures": figures, "figures-family": figures_family, "figures-long": figures_long,
+     "sampler": bench_sampler,
      "pretrained": pretrained}[args.what]()
     return 0
 
@@ -1706,6 +1712,347 @@ def figures_family() -> dict:
               f"{r['median_rl_seconds']:6.0f}")
     print(f"{FIG_DIR}/family_accuracy.png, {FIG_DIR}/family_clip.png, {path}, "
           f"{summary['figures_family_seconds']:.0f} s")
+    return summary
+
+
+
+# ---------------------------------------------------------------------------------------------
+# make figures-long: long answers (--task addwork), the aggregation trap, how off-policy, and the
+# variance of log s on the task's own natural answers
+# ---------------------------------------------------------------------------------------------
+LONG_RUNS = "runs/long"
+LONG_STEPS = 60          # RL steps per run, fixed before the measured run: the single-run recipe's
+# group: the flags that differ from `--task addwork` at its defaults (4 minibatches, lr 2e-4)
+LONG_GROUPS = {"gspo": ["--loss", "gspo"], "gspo-token": ["--loss", "gspo-token"],
+               "grpo": ["--loss", "grpo"],
+               "gspo_dapo": ["--loss", "gspo", "--aggregation", "dapo"],
+               "grpo_dapo": ["--loss", "grpo", "--aggregation", "dapo"],
+               "gspo_mb8": ["--loss", "gspo", "--minibatches", "8"],
+               "grpo_mb8": ["--loss", "grpo", "--minibatches", "8"],
+               "control": ["--loss", "gspo", "--shuffle-rewards"]}
+LONG_VARIANCE = {"seed": 0, "prompts": 128, "optimizer_warmup_steps": 5, "bins": 4,
+                 "prefix_lengths": [1, 2, 4, 8, 16, 32], "bootstrap_resamples": 1000}
+
+
+def warm_dir(seed: int) -> str:
+    return os.path.join(LONG_RUNS, f"warmup_s{seed}")
+
+
+LONG_EXTRA: list[str] = []     # flags added to every warm-up and run (the tests make them tiny)
+
+
+def long_warmup(seed: int, out: str, extra=()) -> None:
+    """The script's own warm-up for `--task addwork --seed SEED` (its model initialisation, its
+    training problems, its stopping rule), saved as a checkpoint that every RL run of that seed
+    starts from: one warm-up per seed instead of one per run."""
+    cfg = g.parse_config(["--task", "addwork", "--seed", str(seed), "--threads", "1",
+                          "--out", out, *extra])
+    t0 = time.perf_counter()
+    device, model, tok = g.prepare(cfg)
+    run = g.Run(cfg.out, t0, command=" ".join(["python experiments.py _warmup", str(seed), out, *extra]))
+    split = g.make_splits(cfg.task, cfg.test_size, cfg.val_size)
+    with g.GracefulStop() as stop:
+        steps = g.warmup(model, tok, split, cfg, device, random.Random(cfg.seed), run, stop)
+    run.checkpoint(model, tok)
+    run.write_summary({"seed": seed, "warmup_steps": steps, "config": dataclasses.asdict(cfg),
+                       "wall_seconds": time.perf_counter() - t0})
+
+
+def long_runs() -> list[tuple[str, list[str]]]:
+    """Every RL run of make figures-long, seed 0's first, with its flags."""
+    return [(f"{group}_s{seed}", ["--task", "addwork", "--model", os.path.join(warm_dir(seed), "checkpoint"),
+                                  "--warmup-max-steps", "0", "--seed", str(seed), *flags])
+            for seed in SEEDS for group, flags in LONG_GROUPS.items()]
+
+
+def long_jobs() -> list[dict]:
+    """The warm-ups, then the RL runs, each waiting for its seed's warm-up."""
+    jobs = [{"name": f"warmup_s{seed}", "cmd": [sys.executable, "experiments.py", "_warmup", str(seed),
+                                                 warm_dir(seed), *LONG_EXTRA],
+             "done": os.path.join(warm_dir(seed), "summary.json"), "needs": None} for seed in SEEDS]
+    for name, args in long_runs():
+        seed = args[args.index("--seed") + 1]
+        jobs.append({"name": name, "needs": os.path.join(warm_dir(int(seed)), "summary.json"),
+                     "done": os.path.join(LONG_RUNS, name, "summary.json"),
+                     "cmd": [sys.executable, "gspo_minimal.py", *args, "--steps", str(LONG_STEPS),
+                             "--threads", "1", "--out", os.path.join(LONG_RUNS, name), *LONG_EXTRA]})
+    return jobs
+
+
+def run_jobs(jobs: list[dict], folder: str, workers: int = 2) -> None:
+    """Run `jobs` (name, cmd, done: the file a finished job leaves, needs: a file it waits for),
+    `workers` at a time, one thread each; a finished job is skipped, so the target resumes."""
+    os.makedirs(folder, exist_ok=True)
+    pending = [j for j in jobs if not os.path.exists(j["done"])]
+    active: list[tuple[dict, subprocess.Popen]] = []
+    failed: set[str] = set()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    while pending or active:
+        for job in [j for j in pending if j["needs"] in failed]:
+            pending.remove(job)
+            failed.add(job["done"])
+            print(f"skipped {job['name']}: what it needs failed", flush=True)
+        ready = [j for j in pending if j["needs"] is None or os.path.exists(j["needs"])]
+        while ready and len(active) < workers:
+            job = ready.pop(0)
+            pending.remove(job)
+            log = open(os.path.join(folder, job["name"] + ".log"), "w")
+            active.append((job, subprocess.Popen(job["cmd"], stdout=log, stderr=subprocess.STDOUT, env=env)))
+            print(f"started {job['name']}", flush=True)
+        time.sleep(1)
+        for job, proc in list(active):
+            if proc.poll() is not None:
+                active.remove((job, proc))
+                if proc.returncode:
+                    failed.add(job["done"])
+                print(f"finished {job['name']} (exit {proc.returncode})", flush=True)
+
+
+def length_split(task: str = "addwork") -> dict[str, list]:
+    """The test problems split at the median length of their solutions: short and long."""
+    test = g.make_splits(task, DEFAULTS.test_size, DEFAULTS.val_size)["test"]
+    lengths = [len(g.solution_text(task, a, b)) for a, b in test]
+    median = statistics.median(lengths)
+    return {"short": [p for p, n in zip(test, lengths) if n < median],
+            "long": [p for p, n in zip(test, lengths) if n >= median]}
+
+
+def accuracy_by_length(checkpoint: str) -> dict:
+    """Greedy test accuracy of a checkpoint on the short and on the long half of the test set."""
+    model, tok = g.load_pretrained(checkpoint)
+    return {half: g.accuracy(model, tok, "addwork", probs, g.TASK_DEFAULTS["addwork"]["max_new_tokens"], "cpu")
+            for half, probs in length_split().items()}
+
+
+def long_variance() -> dict:
+    """Var(log s) against length on addwork's own answers, EOS never suppressed: the seed-0 warm-up
+    checkpoint, the script's optimiser after a few real GSPO steps (warm_optimizer), a rollout of
+    natural answers, one real update, log-probs recomputed in float64. By prefix over the answers
+    that reach 32 tokens, and over whole stopped answers binned by their natural length."""
+    V = LONG_VARIANCE
+    model, tok = g.load_pretrained(os.path.join(warm_dir(V["seed"]), "checkpoint"))
+    cfg = g.parse_config(["--task", "addwork", "--out", os.path.join(LONG_RUNS, "variance_never_written")])
+    torch.manual_seed(V["seed"])
+    rng = random.Random(V["seed"])
+    opt, _ = warm_optimizer(model, tok, cfg, rng, V["optimizer_warmup_steps"])
+    batch = big_rollout(model, tok, V["prompts"], cfg, rng)
+    old = logprobs_in_chunks(model, batch, torch.float64, chunk=256)
+    upd = one_update(model, tok, cfg, rng, opt)
+    new = logprobs_in_chunks(model, batch, torch.float64, chunk=256)
+    m = batch["mask"]
+    stopped = (batch["completions"] == tok.eos_token_id).any(-1)
+    lengths = m.sum(-1)
+    delta = torch.where(m, new - old, 0.0)
+    log_s = g.sequence_log_ratio(new, old, m)
+    L = max(V["prefix_lengths"])
+    reach = lengths >= L
+    prefix = variance_profile(delta[reach][:, :L], V["prefix_lengths"], V["bootstrap_resamples"])
+    natural = binned_variance(log_s[stopped], lengths[stopped], V["bins"], V["bootstrap_resamples"])
+    n = lengths[stopped].double()
+    return {"settings": V, "answers": len(m), "answers_stopped": int(stopped.sum()),
+            "answers_reaching_prefix": int(reach.sum()),
+            "sampled_tokens_median": n.median().item(), "sampled_tokens_p10": torch.quantile(n, 0.1).item(),
+            "sampled_tokens_p90": torch.quantile(n, 0.9).item(),
+            "update": {k: upd[k] for k in ("s_mean", "s_min", "s_max", "clip_tokens", "clip_seqs")},
+            "token_logratio_std": delta[m].std().item(), "by_prefix": prefix, "by_natural_length": natural,
+            "equivalence_max_rel_err_float64": g.form_gap(new, old, m).max().item()}
+
+
+def cached(path: str, fn):
+    """fn()'s result, kept in `path` (JSON) and reused by a later invocation."""
+    if os.path.exists(path):
+        with open(path) as f:
+            return json.load(f)
+    res = fn()
+    with open(path, "w") as f:
+        json.dump(res, f, indent=2)
+    return res
+
+
+def long_summary(variance: dict, by_length: dict) -> dict:
+    """figures/long.json: every run with the SPEC keys, medians per group, the variance study."""
+    import numpy as np
+    tok = g.build_char_tokenizer("addwork")
+    test = g.make_splits("addwork", DEFAULTS.test_size, DEFAULTS.val_size)["test"]
+    ref = np.array([len(tok(g.solution_text("addwork", a, b), add_special_tokens=False).input_ids) + 1
+                    for a, b in test])                                    # EOS included
+    runs = []
+    for name, args in long_runs():
+        s = read_summary(name, LONG_RUNS)
+        rl = [r for r in read_metrics(name, LONG_RUNS) if r["stage"] == "rl"]
+        cfg = s["config"]
+        runs.append({"name": name, "group": name.rsplit("_s", 1)[0], "seed": s["seed"], "loss": s["loss"],
+                     "aggregation": cfg["aggregation"], "minibatches": cfg["minibatches"],
+                     "shuffle_rewards": cfg["shuffle_rewards"],
+                     "settings": args + ["--steps", str(LONG_STEPS), "--threads", "1"],
+                     "accuracy_before_rl": s["accuracy_before_rl"], "accuracy_after_rl": s["accuracy_after_rl"],
+                     "accuracy_by_length_before_rl": by_length[f"warmup_s{s['seed']}"],
+                     "accuracy_by_length_after_rl": by_length[name],
+                     "mean_response_tokens_first_10_steps": statistics.fmean(r["response_tokens"] for r in rl[:10]),
+                     "mean_response_tokens_last_10_steps": statistics.fmean(r["response_tokens"] for r in rl[-10:]),
+                     "clip_tokens": statistics.fmean(r["clip_tokens"] for r in rl),
+                     "clip_seqs": statistics.fmean(r["clip_seqs"] for r in rl),
+                     "clip_ceiling": statistics.fmean(r["clip_ceiling"] for r in rl),
+                     "wall_seconds": s["wall_seconds"], "rl_seconds": s["rl_seconds"],
+                     "rl_cpu_seconds": rl[-1]["cpu_seconds"] - rl[0]["cpu_seconds"] + rl[0]["step_seconds"]})
+    groups = {}
+    for group in LONG_GROUPS:
+        rs = [r for r in runs if r["group"] == group]
+        gain = [r["accuracy_after_rl"] - r["accuracy_before_rl"] for r in rs]
+        groups[group] = {"median_before": float(np.median([r["accuracy_before_rl"] for r in rs])),
+                         "median_after": float(np.median([r["accuracy_after_rl"] for r in rs])),
+                         "seeds_after": [r["accuracy_after_rl"] for r in rs], "gains": gain,
+                         "median_gain": float(np.median(gain)),
+                         "median_gain_short": float(np.median([r["accuracy_by_length_after_rl"]["short"]
+                                                               - r["accuracy_by_length_before_rl"]["short"] for r in rs])),
+                         "median_gain_long": float(np.median([r["accuracy_by_length_after_rl"]["long"]
+                                                              - r["accuracy_by_length_before_rl"]["long"] for r in rs])),
+                         "median_length_first_10": float(np.median([r["mean_response_tokens_first_10_steps"] for r in rs])),
+                         "median_length_last_10": float(np.median([r["mean_response_tokens_last_10_steps"] for r in rs])),
+                         "median_clip_tokens": float(np.median([r["clip_tokens"] for r in rs])),
+                         "median_clip_seqs": float(np.median([r["clip_seqs"] for r in rs])),
+                         "median_rl_seconds": float(np.median([r["rl_seconds"] for r in rs]))}
+    warmups = [read_summary(f"warmup_s{seed}", LONG_RUNS) for seed in SEEDS]
+    return {"task": "addwork", "steps": LONG_STEPS, "seeds": list(SEEDS),
+            "response_tokens_median": float(np.median(ref)),
+            "response_tokens_p10": float(np.percentile(ref, 10)),
+            "response_tokens_p90": float(np.percentile(ref, 90)),
+            "response_tokens_of": "the test set's reference solutions, EOS included",
+            "warmups": [{"seed": w["seed"], "warmup_steps": w["warmup_steps"], "wall_seconds": w["wall_seconds"]}
+                        for w in warmups],
+            "runs": runs, "by_group": groups,
+            "variance_slope_log_s_natural": variance["by_natural_length"]["slope"],
+            "variance_slope_log_s_natural_ci95": variance["by_natural_length"]["slope_ci95"],
+            "variance_slope_log_s_prefix": variance["by_prefix"]["slope"],
+            "variance_slope_log_s_prefix_ci95": variance["by_prefix"]["slope_ci95"],
+            "variance": variance}
+
+
+def long_curves(ax, groups, key: str = "val_acc", smooth: int = 1) -> None:
+    """`key` against RL step for each group: median of its seeds, min-max band."""
+    import numpy as np
+    for group in groups:
+        per_seed = [[r for r in read_metrics(f"{group}_s{seed}", LONG_RUNS) if r["stage"] == "rl" and key in r]
+                    for seed in SEEDS]
+        steps = np.array([r["step"] for r in per_seed[0]])
+        ys = np.array([[r[key] for r in rs] for rs in per_seed])
+        k = min(smooth, ys.shape[1])                                 # a k-step running mean
+        if k > 1:
+            ys = np.stack([np.convolve(y, np.ones(k) / k, mode="valid") for y in ys])
+            steps = steps[k - 1:]
+        colour, ls, marker = LONG_STYLE[group]
+        ax.plot(steps, np.median(ys, 0), color=colour, ls=ls, marker=marker, markevery=max(len(steps) // 6, 1),
+                label=group)
+        ax.fill_between(steps, ys.min(0), ys.max(0), color=colour, alpha=0.12)
+    ax.set_xlabel("RL step")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+
+
+LONG_STYLE = {**STYLE, "gspo_dapo": ("#56B4E9", "--", "v"), "grpo_dapo": ("#E69F00", "--", "D"),
+              "gspo_mb8": ("#CC79A7", "-.", "P"), "grpo_mb8": ("#000000", "-.", "X")}
+
+
+def plot_long(plt, summary: dict) -> None:
+    import numpy as np
+    fig, axes = plt.subplots(2, 2, figsize=(13, 9))
+    long_curves(axes[0, 0], ("gspo", "gspo-token", "grpo", "control"))
+    axes[0, 0].set_ylabel("validation accuracy (greedy), median and range of 3 seeds")
+    axes[0, 0].set_title("addwork: GSPO, GSPO-token, GRPO and the shuffled-reward control", fontsize=10)
+    accuracy_curves(axes[0, 1], {grp: [f"{grp}_s{seed}" for seed in SEEDS] for grp in ("gspo", "gspo-token", "grpo")},
+                    "against each run's own elapsed time (2 runs at a time, 1 thread each)", LONG_RUNS)
+    long_curves(axes[1, 0], ("gspo", "grpo", "gspo_mb8", "grpo_mb8"), "clip_tokens", smooth=5)
+    axes[1, 0].set_ylabel("clip_tokens (share of tokens), 5-step mean")
+    axes[1, 0].set_title("clipped tokens at 4 and at 8 minibatches per rollout", fontsize=10)
+    ax = axes[1, 1]
+    groups = list(LONG_GROUPS)
+    x = np.arange(len(groups))
+    for k, (half, colour) in enumerate((("short", "#0072B2"), ("long", "#D55E00"))):
+        gains = [summary["by_group"][grp][f"median_gain_{half}"] for grp in groups]
+        ax.bar(x + (k - 0.5) * 0.38, gains, 0.38, color=colour, label=f"{half} half of the test set")
+    ax.axhline(0, color="k", lw=0.8)
+    ax.set_xticks(x, groups, rotation=30, fontsize=8)
+    ax.set_ylabel("test accuracy gain from RL, median of 3 seeds")
+    ax.set_title("where RL helps: short against long problems", fontsize=10)
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3, axis="y")
+    fig.tight_layout()
+    fig.savefig(os.path.join(FIG_DIR, "long_accuracy.png"), dpi=120)
+
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.6))
+    long_curves(axes[0], ("gspo", "gspo_dapo", "grpo", "grpo_dapo"))
+    axes[0].set_ylabel("validation accuracy (greedy)")
+    axes[0].set_title("the aggregation trap: paper against dapo", fontsize=10)
+    long_curves(axes[1], ("gspo", "gspo_dapo", "grpo", "grpo_dapo", "control"), "response_tokens", smooth=5)
+    axes[1].set_ylabel("response_tokens (mean, EOS included), 5-step mean")
+    axes[1].set_title("do response lengths drift?", fontsize=10)
+    long_curves(axes[2], ("gspo", "grpo", "gspo_mb8", "grpo_mb8"))
+    axes[2].set_ylabel("validation accuracy (greedy)")
+    axes[2].set_title("how off-policy: 4 against 8 minibatches (8: twice the optimiser steps)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(os.path.join(FIG_DIR, "long_aggregation.png"), dpi=120)
+
+    v = summary["variance"]
+    fig, (a1, a2, a3) = plt.subplots(1, 3, figsize=(16, 4.4))
+    p = v["by_prefix"]
+    variance_panels(a1, a2, p["lengths"], p["var"], p["var_ci95"], p["uncorrelated"], p["var_by_position"],
+                    "answer", f"Var(log s) over prefixes of {v['answers_reaching_prefix']} natural answers")
+    a1.set_xlabel("prefix length L (tokens)")
+    lo, hi = p["slope_ci95"]
+    a1.set_title(f"by prefix: slope {p['slope']:+.2f} [{lo:+.2f}, {hi:+.2f}]", fontsize=9)
+    a1.legend(fontsize=7)
+    nat = v["by_natural_length"]
+    ci = np.array(nat["var_ci95"])
+    a3.errorbar(nat["median_length"], nat["var"], yerr=[np.array(nat["var"]) - ci[:, 0], ci[:, 1] - np.array(nat["var"])],
+                color="#0072B2", marker="o", capsize=3)
+    a3.set_xscale("log")
+    a3.set_yscale("log")
+    a3.set_xlabel("natural length of the whole answer (median of its bin)")
+    a3.set_ylabel("Var(log s) over the bin's answers")
+    lo, hi = nat["slope_ci95"]
+    a3.set_title(f"by natural length, {sum(nat['answers'])} stopped answers: slope {nat['slope']:+.2f} "
+                 f"[{lo:+.2f}, {hi:+.2f}]", fontsize=9)
+    a3.grid(alpha=0.3, which="both")
+    fig.tight_layout()
+    fig.savefig(os.path.join(FIG_DIR, "long_variance.png"), dpi=120)
+
+
+def figures_long() -> dict:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    t0 = time.perf_counter()
+    os.makedirs(FIG_DIR, exist_ok=True)
+    path = os.path.join(FIG_DIR, "long.json")
+    jobs = long_jobs()
+    reused, earlier = reused_runs([(j["name"], None) for j in jobs[len(SEEDS):]], LONG_RUNS, path,
+                                  "figures_long_seconds")
+    run_jobs(jobs, LONG_RUNS)
+    print("the variance of log s on natural answers, and each run's accuracy on short and long problems",
+          flush=True)
+    variance = cached(os.path.join(LONG_RUNS, "variance.json"), long_variance)
+    by_length = cached(os.path.join(LONG_RUNS, "by_length.json"), lambda: {
+        name: accuracy_by_length(os.path.join(LONG_RUNS, name, "checkpoint"))
+        for name in [f"warmup_s{seed}" for seed in SEEDS] + [n for n, _ in long_runs()]})
+    summary = long_summary(variance, by_length)
+    summary["runs_reused"] = reused
+    summary["figures_long_seconds_this_invocation"] = time.perf_counter() - t0
+    summary["figures_long_seconds"] = earlier + summary["figures_long_seconds_this_invocation"]
+    write_json(path, summary, "python experiments.py figures-long", summary["figures_long_seconds"])
+    plot_long(plt, summary)
+    plt.close("all")
+    print(f"{'group':11s} {'test acc before -> after (median of 3)':38s} {'gains':22s} {'short/long gain':16s} "
+          f"{'length first/last 10':21s} {'clip tok/seq':14s} {'RL s':>6s}")
+    for grp, r in summary["by_group"].items():
+        print(f"{grp:11s} {r['median_before']:.3f} -> {r['median_after']:.3f}{'':24s} "
+              f"{', '.join(f'{x:+.3f}' for x in r['gains']):22s} {r['median_gain_short']:+.3f}/{r['median_gain_long']:+.3f}  "
+              f"{r['median_length_first_10']:5.1f} -> {r['median_length_last_10']:5.1f}        "
+              f"{r['median_clip_tokens']:.3f}/{r['median_clip_seqs']:.3f}  {r['median_rl_seconds']:6.0f}")
+    print(f"Var(log s) slope by natural length {summary['variance_slope_log_s_natural']:+.2f} "
+          f"{summary['variance_slope_log_s_natural_ci95']}, by prefix {summary['variance_slope_log_s_prefix']:+.2f} "
+          f"{summary['variance_slope_log_s_prefix_ci95']}")
+    print(f"{FIG_DIR}/long_accuracy.png, {FIG_DIR}/long_aggregation.png, {FIG_DIR}/long_variance.png, {path}, "
+          f"{summary['figures_long_seconds']:.0f} s")
     return summary
 
 

@@ -76,7 +76,9 @@ class Config:
     """objective: gspo (sequence ratio, eq. 5), gspo-token (eqs. 13-14) or grpo (token ratio, eq. 2);
     or a relative of GSPO: gmpo, sapo, sapo-seq, cispo, luspo, vespo (tutorial section 12)"""
     task: str = "add2"
-    """problems: add2 (a+b, a,b < 100), add3 (a+b, a,b < 1000), mul2 (a*b, a,b < 100), or add2-chat
+    """problems: add2 (a+b, a,b < 100), add3 (a+b, a,b < 1000), mul2 (a*b, a,b < 100), addwork (a+b
+    with 2 to 6 digits each, answered with its column working and then the sum: long answers; its
+    own defaults for --max-new-tokens, --steps and the warm-up, see TASK_DEFAULTS), or add2-chat
     (add2's problems asked as 'a + b = ?' of a chat model, needs --model; reward on the last number)"""
     model: str = ""
     """Hugging Face causal LM with its tokenizer: a hub id, a local folder or a .gguf file (dequantised
@@ -101,6 +103,14 @@ class Config:
     eps_high: float | None = None
     """upper clip width: clip(s, ..., 1 + eps_high); default 4e-4 for GSPO variants and LUSPO, 0.27
     for GRPO; GMPO's is in log space (0.4); for CISPO the cap on each token's weight (5.0, above 1)"""
+    aggregation: str = "paper"
+    """how a minibatch's terms become one loss (gspo, gspo-token, grpo): paper (a mean over
+    sequences, each a token mean for GRPO), dapo (a sum over tokens / the rollout's tokens per
+    minibatch: TRL's default, which weights a sequence-level term by |y|), or dr_grpo (a sum over
+    tokens / (rows x --max-new-tokens))"""
+    scale_rewards: str = "group"
+    """group: A = (r - mean) / (std + eps) within each group (GSPO eq. 6); none: A = r - mean
+    (Dr. GRPO, arXiv 2503.20783)"""
     off_policy_mask: float | None = None
     """DeepSeek-V3.2's off-policy sequence mask: drop a response with A < 0 once its per-token
     cross-entropy has risen by more than this many nats since sampling (off by default)"""
@@ -138,7 +148,14 @@ class Config:
 
 
 LOSSES = ("gspo", "gspo-token", "grpo", "gmpo", "sapo", "sapo-seq", "cispo", "luspo", "vespo")
-TASKS = ("add2", "add3", "mul2", "add2-chat")
+AGGREGATIONS = ("paper", "dapo", "dr_grpo")
+TASKS = ("add2", "add3", "mul2", "addwork", "add2-chat")
+# addwork's answers are 15 to 62 tokens instead of 2 to 4: room to write them; a smaller warm-up
+# batch at a higher rate (tutorial section 13 lists the settings tried), stopped a little later, at
+# 0.4, so that fewer groups start flat; 60 RL steps, validated every 5, so that one run fits in ten
+# minutes on two CPU cores. A flag given on the command line wins over these.
+TASK_DEFAULTS = {"addwork": {"max_new_tokens": 64, "steps": 60, "eval_every": 5, "warmup_batch": 64,
+                             "warmup_lr": 2e-3, "warmup_target": 0.4}}
 DEFAULT_EPS = {"gspo": (3e-4, 4e-4), "gspo-token": (3e-4, 4e-4), "grpo": (0.2, 0.27),
                "gmpo": (0.4, 0.4), "luspo": (3e-4, 4e-4), "cispo": (None, 5.0),
                "sapo": (None, None), "sapo-seq": (None, None), "vespo": (None, None)}
@@ -159,8 +176,24 @@ DATA_SEED = 1234  # fixed: every run, whatever its --seed, is scored on the same
 
 
 def task_spec(task: str) -> tuple[int, str]:
-    """Operand range and operator of a task."""
-    return {"add2": (100, "+"), "add3": (1000, "+"), "mul2": (100, "*"), "add2-chat": (100, "+")}[task]
+    """Operand range (operands lie below it) and operator of a task."""
+    return {"add2": (100, "+"), "add3": (1000, "+"), "mul2": (100, "*"), "addwork": (10 ** 6, "+"),
+            "add2-chat": (100, "+")}[task]
+
+
+def draw_problem(task: str, rng: random.Random) -> tuple[int, int]:
+    """One problem (a, b). addwork draws each operand's number of digits first, 2 to 6 uniformly,
+    so that short and long answers are equally common; the other tasks draw a and b uniformly."""
+    if task == "addwork":
+        return tuple(rng.randrange(10 ** (d - 1), 10 ** d) for d in (rng.randint(2, 6), rng.randint(2, 6)))
+    n, _ = task_spec(task)
+    return rng.randrange(n), rng.randrange(n)
+
+
+def problem_count(task: str) -> int:
+    """How many distinct problems a task has."""
+    n, _ = task_spec(task)
+    return (n - 10) ** 2 if task == "addwork" else n * n        # addwork: no operand below 10
 
 
 def make_splits(task: str, test_size: int, val_size: int) -> dict:
@@ -168,23 +201,22 @@ def make_splits(task: str, test_size: int, val_size: int) -> dict:
 
     A problem is its ordered operand pair (a, b), so 3+4 and 4+3 are different problems.
     """
-    n, _ = task_spec(task)
-    if test_size + val_size > n * n // 2:
-        raise ValueError(f"{task} has {n * n} problems: too few for {test_size + val_size} held out")
+    if test_size + val_size > problem_count(task) // 2:
+        raise ValueError(f"{task} has {problem_count(task)} problems: too few for "
+                         f"{test_size + val_size} held out")
     rng = random.Random(DATA_SEED)
     held: dict[tuple[int, int], None] = {}         # a dict keeps the order in which pairs were drawn
     while len(held) < test_size + val_size:
-        held[(rng.randrange(n), rng.randrange(n))] = None
+        held[draw_problem(task, rng)] = None
     pairs = list(held)
     return {"test": pairs[:test_size], "val": pairs[test_size:], "held_out": set(pairs)}
 
 
 def sample_train_problems(splits: dict, task: str, k: int, rng: random.Random) -> list[tuple[int, int]]:
-    """k training problems drawn uniformly from those outside the test and validation sets."""
-    n, _ = task_spec(task)
+    """k training problems drawn as the held-out ones were, from outside the test and validation sets."""
     out: list[tuple[int, int]] = []
     while len(out) < k:
-        pair = (rng.randrange(n), rng.randrange(n))
+        pair = draw_problem(task, rng)
         if pair not in splits["held_out"]:
             out.append(pair)
     return out
@@ -201,15 +233,35 @@ def prompt_text(task: str, a: int, b: int) -> str:
 
 
 def answer_text(task: str, a: int, b: int) -> str:
+    """The result the reward checks: '52' for 07+45=."""
     return str(a * b if task_spec(task)[1] == "*" else a + b)
+
+
+def solution_text(task: str, a: int, b: int) -> str:
+    """What the warm-up teaches the model to write. For addwork, the column working, least
+    significant column first, each column 'x+y=z' with '+1' for a carry, then the result:
+    4581+77= -> '1+7=8|8+7=15|5+0+1=6|4+0=4|4658' (18 to 62 tokens with EOS, like a reasoning trace:
+    work first, answer last). For every other task, the answer alone."""
+    if task != "addwork":
+        return answer_text(task, a, b)
+    xs, ys = str(a)[::-1], str(b)[::-1]
+    columns, carry = [], 0
+    for i in range(max(len(xs), len(ys))):
+        x, y = int(xs[i]) if i < len(xs) else 0, int(ys[i]) if i < len(ys) else 0
+        z = x + y + carry
+        columns.append(f"{x}+{y}{'+1' if carry else ''}={z}")
+        carry = z // 10
+    return "|".join(columns + [str(a + b)])
 
 
 def reward(completion_ids: list[int], answer: str, tokenizer, *, task: str = "add2") -> float:
     """1.0 when the text before the first EOS is the answer, else 0.0.
 
-    A completion that never stops gets 0, so the policy learns to end its answers. add2-chat
-    scores a chat model's sentence ('7 + 45 = 52.') by the last number in it, the usual reading
-    of a pretrained model's answer; every other task wants the answer and nothing else.
+    A completion that never stops gets 0, so the policy learns to end its answers. addwork scores
+    the result after the last '|' only: the working is never checked, as a reasoning trace's is
+    not (a bare result, no working at all, also scores). add2-chat scores a chat model's sentence
+    ('7 + 45 = 52.') by the last number in it, the usual reading of a pretrained model's answer;
+    every other task wants the answer and nothing else.
     """
     eos = tokenizer.eos_token_id
     if eos not in completion_ids:
@@ -218,20 +270,25 @@ def reward(completion_ids: list[int], answer: str, tokenizer, *, task: str = "ad
     if task == "add2-chat":
         numbers = re.findall(r"-?\d+", text.replace(",", ""))
         return float(bool(numbers) and numbers[-1] == answer)
+    if task == "addwork":
+        text = text.rsplit("|", 1)[-1]
     return float(text.strip() == answer)
 
 
 # ---------------------------------------------------------------------------------------------
 # Tokenizer: one token per character, built with `tokenizers`, saved with every checkpoint.
 # ---------------------------------------------------------------------------------------------
-def build_char_tokenizer():
-    """16 tokens: <pad>, <eos>, <unk>, the digits, '+', '*', '='. pad != eos on purpose: a mask built
-    from `tokens != pad` would otherwise drop the EOS and the model would never learn to stop."""
+def build_char_tokenizer(task: str = "add2"):
+    """16 tokens: <pad>, <eos>, <unk>, the digits, '+', '*', '='; addwork adds '|', the separator of
+    its working (only there, so the other tasks' models stay as they were). pad != eos on purpose:
+    a mask built from `tokens != pad` would otherwise drop the EOS and the model would never learn
+    to stop."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     specials = ["<pad>", "<eos>", "<unk>"]
-    vocab = {tok: i for i, tok in enumerate(specials + list("0123456789+*="))}
+    chars = "0123456789+*=" + ("|" if task == "addwork" else "")
+    vocab = {tok: i for i, tok in enumerate(specials + list(chars))}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")  # every character
     tok.decoder = decoders.Fuse()                                              # join without spaces
@@ -243,12 +300,13 @@ def build_char_tokenizer():
 # ---------------------------------------------------------------------------------------------
 # Model: a tiny Llama (or Mixtral for --moe) built from a config, no download; or any hub model.
 # ---------------------------------------------------------------------------------------------
-def build_tiny_model(tokenizer, moe: bool = False):
-    """1.05M parameters dense; 1.84M with --moe (4 experts, 2 active per token)."""
+def build_tiny_model(tokenizer, moe: bool = False, positions: int = 64):
+    """1.05M parameters dense; 1.84M with --moe (4 experts, 2 active per token). `positions`:
+    the longest prompt + completion (RoPE: no parameters depend on it; addwork needs 128)."""
     from transformers import LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM
 
     common = dict(vocab_size=len(tokenizer), hidden_size=128, num_hidden_layers=4,
-                  num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64,
+                  num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=positions,
                   pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
                   bos_token_id=None, tie_word_embeddings=True)
     if moe:  # router aux loss off: the objective stays pure GSPO, as in the comparison we measure
@@ -286,8 +344,8 @@ def build(cfg: Config, device):
         if cfg.no_chat_template:          # encode_prompts then writes prompts as plain text
             tokenizer.chat_template = None
     else:
-        tokenizer = build_char_tokenizer()
-        model = build_tiny_model(tokenizer, moe=cfg.moe)
+        tokenizer = build_char_tokenizer(cfg.task)
+        model = build_tiny_model(tokenizer, moe=cfg.moe, positions=128 if cfg.task == "addwork" else 64)
     return model.to(device), tokenizer
 
 
@@ -357,7 +415,10 @@ def sample_completions(model, prompt_ids, prompt_mask, max_new_tokens: int, eos_
 # Group advantages (GSPO eq. 6): each response against the other responses to the same prompt.
 # ---------------------------------------------------------------------------------------------
 # A_i = (r_i - mean(r_1..r_G)) / (std(r_1..r_G) + eps),  std Bessel-corrected (TRL, verl).
-def group_advantages(rewards: torch.Tensor, group_size: int, *, eps: float = 1e-6) -> torch.Tensor:
+# Dr. GRPO (arXiv 2503.20783) drops the division: A_i = r_i - mean(r_1..r_G) (`scale=False`), so a
+# group whose rewards barely differ is not blown up to unit spread.
+def group_advantages(rewards: torch.Tensor, group_size: int, *, eps: float = 1e-6,
+                     scale: bool = True) -> torch.Tensor:
     """rewards (B,), laid out group after group -> advantages (B,).
 
     A group whose rewards are all equal carries no signal and gets exactly 0, detected explicitly:
@@ -367,7 +428,7 @@ def group_advantages(rewards: torch.Tensor, group_size: int, *, eps: float = 1e-
         raise ValueError(f"need group_size >= 2 dividing {rewards.numel()} rewards, got {group_size}")
     r = rewards.reshape(-1, group_size)                        # (B/G, G)
     centred = r - r.mean(dim=1, keepdim=True)
-    adv = centred / (r.std(dim=1, keepdim=True) + eps)
+    adv = centred / (r.std(dim=1, keepdim=True) + eps) if scale else centred
     all_equal = (r == r[:, :1]).all(dim=1, keepdim=True)       # (B/G, 1)
     return torch.where(all_equal, torch.zeros_like(adv), adv).reshape(-1)
 
@@ -465,77 +526,6 @@ def form_gap(logp_new, logp_old, mask) -> torch.Tensor:
 # PPO's clipped surrogate min(r A, clip(r, 1-eps_low, 1+eps_high) A) stops the gradient only on the
 # side that would profit from moving further: r > 1+eps_high when A > 0, r < 1-eps_low when A < 0.
 # ---------------------------------------------------------------------------------------------
-def _clipped_surrogate(ratio, adv, eps_low: float, eps_high: float) -> torch.Tensor:
-    """min(r A, clip(r, 1-eps_low, 1+eps_high) A), elementwise; r and A broadcast together."""
-    return torch.minimum(ratio * adv, ratio.clamp(1 - eps_low, 1 + eps_high) * adv)
-
-
-def clipped_on_active_side(ratio, adv, eps_low: float, eps_high: float) -> torch.Tensor:
-    """Where the min picks the clipped term and so the gradient is zero (bool, broadcast shape)."""
-    return ((adv > 0) & (ratio > 1 + eps_high)) | ((adv < 0) & (ratio < 1 - eps_low))
-
-
-# J_GSPO = (1/G) sum_i min(s_i A_i, clip(s_i, 1-eps_low, 1+eps_high) A_i)                (eq. 5)
-def gspo_loss(logp_new, logp_old, advantages, mask, eps_low: float = 3e-4,
-              eps_high: float = 4e-4) -> torch.Tensor:
-    """GSPO: one clipped term per sequence, mean over sequences. (B, T) log-probs, (B,) advantages.
-
-    Its gradient is (eq. 10) s_i A_i (1/|y_i|) sum_t grad log pi(y_it): every token of a response
-    shares one weight. An empty row adds nothing (explicit `where`: the clipped term at s = 1 would
-    add A), but still counts in the 1/B, as the paper's 1/G does.
-    """
-    s = importance_ratio(logp_new, logp_old, mask)                     # (B,)
-    per_seq = _clipped_surrogate(s, advantages, eps_low, eps_high)     # (B,)
-    nonempty = (mask != 0).any(-1)
-    per_seq = torch.where(nonempty, per_seq, torch.zeros_like(per_seq))
-    return -per_seq.sum() / per_seq.numel()
-
-
-def _per_token(advantages: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """Advantages (B,) or (B, T) -> (B, T) (a view, not a copy, for the (B,) case)."""
-    return advantages.unsqueeze(-1).expand_as(like) if advantages.dim() == 1 else advantages
-
-
-# s_it = sg[s_i] * pi(y_it) / sg[pi(y_it)]                                          (eqs. 13-14)
-# J = (1/G) sum_i (1/|y_i|) sum_t min(s_it A_it, clip(s_it, 1-eps_low, 1+eps_high) A_it)
-def gspo_token_loss(logp_new, logp_old, advantages, mask, eps_low: float = 3e-4,
-                    eps_high: float = 4e-4) -> torch.Tensor:
-    """GSPO-token: every s_it has the VALUE s_i (so clipping is decided per sequence) and the
-    GRADIENT s_i * grad log pi(y_it), which lets each token carry its own advantage A_it.
-    With A_it = A_i it equals GSPO in value and gradient (eqs. 15-17)."""
-    keep = mask != 0
-    s = importance_ratio(logp_new, logp_old, mask).detach()            # (B,), sg[s_i]
-    own = torch.where(keep, logp_new - logp_new.detach(), torch.zeros_like(logp_new))  # 0, grad 1
-    s_tok = s.unsqueeze(-1) * torch.exp(own)                           # (B, T), value s_i
-    per_tok = _clipped_surrogate(s_tok, _per_token(advantages, s_tok), eps_low, eps_high)
-    return -masked_mean(per_tok, keep).mean()
-
-
-# w_it = pi_new(y_it) / pi_old(y_it)
-# J_GRPO = (1/G) sum_i (1/|y_i|) sum_t min(w_it A_i, clip(w_it, 1-eps_low, 1+eps_high) A_i)   (eq. 2;
-# the paper writes one eps, the asymmetric band is DAPO's "clip-higher", as in its GRPO baseline)
-def grpo_loss(logp_new, logp_old, advantages, mask, eps_low: float = 0.2,
-              eps_high: float = 0.27) -> torch.Tensor:
-    """GRPO: every token clipped on its own ratio; per-row token mean, then mean over rows."""
-    keep = mask != 0
-    log_w = torch.where(keep, logp_new - logp_old, torch.zeros_like(logp_new))  # (B, T)
-    per_tok = _clipped_surrogate(torch.exp(log_w), _per_token(advantages, log_w), eps_low, eps_high)
-    return -masked_mean(per_tok, keep).mean()
-
-
-LOSS_FNS = {"gspo": gspo_loss, "gspo-token": gspo_token_loss, "grpo": grpo_loss}
-
-
-# ---------------------------------------------------------------------------------------------
-# Relatives of GSPO. Objectives published since GSPO, each a statement about the same per-token
-# log-ratios delta_t = log pi_new(y_t) - log pi_old(y_t), read through the same lens:
-#   sum_t delta_t = |y| log s = |y| (H_old - H_new)       log s = mean_t delta_t = H_old - H_new
-# Each takes gspo_loss's first four arguments and its own hyperparameters, keyword-only, with its
-# paper's defaults. Masked positions never reach a value or a gradient (`_deltas`), and an empty
-# row adds nothing. Those that weight log pi itself (CISPO, VESPO) normalise by a token count,
-# `num_tokens`: by default this batch's; a trainer that splits a rollout into minibatches passes
-# the rollout's count divided by the number of minibatches, as TRL does.
-# ---------------------------------------------------------------------------------------------
 def _deltas(logp_new, logp_old, mask) -> tuple[torch.Tensor, torch.Tensor]:
     """(B, T) per-token log-ratios, 0 at masked positions, and the bool mask."""
     keep = mask != 0
@@ -553,6 +543,98 @@ def _token_sum(term: torch.Tensor, keep: torch.Tensor, num_tokens) -> torch.Tens
     return -torch.where(keep, term, torch.zeros_like(term)).sum() / n.clamp(min=1).to(term.dtype)
 
 
+# How a minibatch's terms l_i (one per sequence) or l_it (one per token) become one loss:
+#   paper:   -(1/B) sum_i l_i               or  -(1/B) sum_i (1/|y_i|) sum_t l_it     (eqs. 5, 2)
+#   dapo:    -(1/N) sum_i |y_i| l_i         or  -(1/N) sum_i sum_t l_it,   N = num_tokens
+#   dr_grpo: as dapo with N = B * max_tokens, a constant (arXiv 2503.20783)
+# With a sequence-level ratio, dapo (TRL's default loss_type) gives sequence i the weight |y_i| / mean|y|:
+# long responses count for more, the length bias GSPO's 1/|y| was meant to remove (tutorial section 13).
+def aggregate(term, keep, aggregation: str = "paper", *, num_tokens=None, max_tokens=None):
+    """term (B,) or (B, T), keep (B, T) bool -> the scalar loss (sign flipped). num_tokens: dapo's
+    N (default: this batch's tokens); max_tokens: dr_grpo's (default: T, the mask's width)."""
+    if term.dim() == 1 and aggregation != "paper":         # one term per sequence: on each token
+        term = term.unsqueeze(-1).expand_as(keep)
+    if aggregation == "paper":          # an empty row's token mean is 0: it adds nothing either way
+        return _per_row(term, keep) if term.dim() == 1 else -masked_mean(term, keep).mean()
+    if aggregation == "dapo":
+        return _token_sum(term, keep, num_tokens)
+    if aggregation == "dr_grpo":
+        width = keep.shape[-1] if max_tokens is None else max_tokens
+        return _token_sum(term, keep, keep.shape[0] * width)
+    raise ValueError(f"aggregation must be one of {AGGREGATIONS}, got {aggregation!r}")
+
+
+def _clipped_surrogate(ratio, adv, eps_low: float, eps_high: float) -> torch.Tensor:
+    """min(r A, clip(r, 1-eps_low, 1+eps_high) A), elementwise; r and A broadcast together."""
+    return torch.minimum(ratio * adv, ratio.clamp(1 - eps_low, 1 + eps_high) * adv)
+
+
+def clipped_on_active_side(ratio, adv, eps_low: float, eps_high: float) -> torch.Tensor:
+    """Where the min picks the clipped term and so the gradient is zero (bool, broadcast shape)."""
+    return ((adv > 0) & (ratio > 1 + eps_high)) | ((adv < 0) & (ratio < 1 - eps_low))
+
+
+# J_GSPO = (1/G) sum_i min(s_i A_i, clip(s_i, 1-eps_low, 1+eps_high) A_i)                (eq. 5)
+def gspo_loss(logp_new, logp_old, advantages, mask, eps_low: float = 3e-4, eps_high: float = 4e-4,
+              *, aggregation: str = "paper", num_tokens=None, max_tokens=None) -> torch.Tensor:
+    """GSPO: one clipped term per sequence, mean over sequences. (B, T) log-probs, (B,) advantages.
+
+    Its gradient is (eq. 10) s_i A_i (1/|y_i|) sum_t grad log pi(y_it): every token of a response
+    shares one weight. An empty row adds nothing (explicit `where`: the clipped term at s = 1 would
+    add A), but still counts in the 1/B, as the paper's 1/G does. `aggregation` other than "paper"
+    reweights the sequences (`aggregate`).
+    """
+    s = importance_ratio(logp_new, logp_old, mask)                     # (B,)
+    per_seq = _clipped_surrogate(s, advantages, eps_low, eps_high)     # (B,)
+    return aggregate(per_seq, mask != 0, aggregation, num_tokens=num_tokens, max_tokens=max_tokens)
+
+
+def _per_token(advantages: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """Advantages (B,) or (B, T) -> (B, T) (a view, not a copy, for the (B,) case)."""
+    return advantages.unsqueeze(-1).expand_as(like) if advantages.dim() == 1 else advantages
+
+
+# s_it = sg[s_i] * pi(y_it) / sg[pi(y_it)]                                          (eqs. 13-14)
+# J = (1/G) sum_i (1/|y_i|) sum_t min(s_it A_it, clip(s_it, 1-eps_low, 1+eps_high) A_it)
+def gspo_token_loss(logp_new, logp_old, advantages, mask, eps_low: float = 3e-4,
+                    eps_high: float = 4e-4, *, aggregation: str = "paper", num_tokens=None,
+                    max_tokens=None) -> torch.Tensor:
+    """GSPO-token: every s_it has the VALUE s_i (so clipping is decided per sequence) and the
+    GRADIENT s_i * grad log pi(y_it), which lets each token carry its own advantage A_it.
+    With A_it = A_i it equals GSPO in value and gradient (eqs. 15-17)."""
+    keep = mask != 0
+    s = importance_ratio(logp_new, logp_old, mask).detach()            # (B,), sg[s_i]
+    own = torch.where(keep, logp_new - logp_new.detach(), torch.zeros_like(logp_new))  # 0, grad 1
+    s_tok = s.unsqueeze(-1) * torch.exp(own)                           # (B, T), value s_i
+    per_tok = _clipped_surrogate(s_tok, _per_token(advantages, s_tok), eps_low, eps_high)
+    return aggregate(per_tok, keep, aggregation, num_tokens=num_tokens, max_tokens=max_tokens)
+
+
+# w_it = pi_new(y_it) / pi_old(y_it)
+# J_GRPO = (1/G) sum_i (1/|y_i|) sum_t min(w_it A_i, clip(w_it, 1-eps_low, 1+eps_high) A_i)   (eq. 2;
+# the paper writes one eps, the asymmetric band is DAPO's "clip-higher", as in its GRPO baseline)
+def grpo_loss(logp_new, logp_old, advantages, mask, eps_low: float = 0.2, eps_high: float = 0.27,
+              *, aggregation: str = "paper", num_tokens=None, max_tokens=None) -> torch.Tensor:
+    """GRPO: every token clipped on its own ratio; per-row token mean, then mean over rows
+    (`aggregation` "paper"; "dapo" and "dr_grpo" sum over tokens instead, `aggregate`)."""
+    log_w, keep = _deltas(logp_new, logp_old, mask)                          # (B, T)
+    per_tok = _clipped_surrogate(torch.exp(log_w), _per_token(advantages, log_w), eps_low, eps_high)
+    return aggregate(per_tok, keep, aggregation, num_tokens=num_tokens, max_tokens=max_tokens)
+
+
+LOSS_FNS = {"gspo": gspo_loss, "gspo-token": gspo_token_loss, "grpo": grpo_loss}
+
+
+# ---------------------------------------------------------------------------------------------
+# Relatives of GSPO. Objectives published since GSPO, each a statement about the same per-token
+# log-ratios delta_t = log pi_new(y_t) - log pi_old(y_t), read through the same lens:
+#   sum_t delta_t = |y| log s = |y| (H_old - H_new)       log s = mean_t delta_t = H_old - H_new
+# Each takes gspo_loss's first four arguments and its own hyperparameters, keyword-only, with its
+# paper's defaults. Masked positions never reach a value or a gradient (`_deltas`), and an empty
+# row adds nothing. Those that weight log pi itself (CISPO, VESPO) normalise by a token count,
+# `num_tokens`: by default this batch's; a trainer that splits a rollout into minibatches passes
+# the rollout's count divided by the number of minibatches, as TRL does.
+# ---------------------------------------------------------------------------------------------
 # GMPO (arXiv 2507.20673): the geometric mean of CLIPPED token ratios, clipped in log space.
 #   J = (1/G) sum_i A_i exp( (1/|y_i|) sum_t c_it ),   c_it = min(delta_it, clip(delta_it, -e_lo, e_hi))
 #   when A_i > 0, max(...) when A_i < 0 (PPO's pessimistic side, written for the log-ratio).
@@ -675,11 +757,14 @@ def gate_weight(loss: str, logp_new, logp_old, advantages, mask) -> torch.Tensor
     return (weight.unsqueeze(-1) if weight.dim() == 1 else weight).expand_as(delta)
 
 
-def loss_value(loss: str, logp_new, logp_old, advantages, mask, eps_low, eps_high, num_tokens):
+def loss_value(loss: str, logp_new, logp_old, advantages, mask, eps_low, eps_high, num_tokens, *,
+               aggregation: str = "paper", max_tokens=None):
     """The objective `loss` names, with the clip widths rl_update resolved (GMPO's in log space,
-    CISPO's eps_high its cap) and the token count the token-normalised losses divide by."""
+    CISPO's eps_high its cap), the token count the token-normalised losses divide by, and the
+    aggregation of GSPO, GSPO-token and GRPO (the relatives have their own)."""
     if loss in LOSS_FNS:
-        return LOSS_FNS[loss](logp_new, logp_old, advantages, mask, eps_low, eps_high)
+        return LOSS_FNS[loss](logp_new, logp_old, advantages, mask, eps_low, eps_high,
+                              aggregation=aggregation, num_tokens=num_tokens, max_tokens=max_tokens)
     args = (logp_new, logp_old, advantages, mask)
     return {"gmpo": lambda: gmpo_loss(*args, eps=(eps_low, eps_high)),
             "sapo": lambda: sapo_loss(*args, level="token"),
@@ -779,9 +864,10 @@ def accuracy(model, tokenizer, task: str, problems, max_new_tokens: int, device,
 # and everything beyond that is RL's work. (A departure from the paper, which starts from a
 # pretrained model.)
 def supervised_loss(model, tokenizer, task: str, problems, device) -> torch.Tensor:
-    """Mean token negative log-likelihood of 'answer<eos>' after each prompt."""
+    """Mean token negative log-likelihood of 'solution<eos>' after each prompt (`solution_text`:
+    the answer alone, or addwork's working and answer)."""
     ids, attn = encode_prompts(tokenizer, [prompt_text(task, a, b) for a, b in problems], device)
-    answers = [tokenizer(answer_text(task, a, b), add_special_tokens=False).input_ids
+    answers = [tokenizer(solution_text(task, a, b), add_special_tokens=False).input_ids
                + [tokenizer.eos_token_id] for a, b in problems]
     T = max(map(len, answers))
     target = torch.tensor([ans + [tokenizer.pad_token_id] * (T - len(ans)) for ans in answers],
@@ -832,7 +918,8 @@ def rollout(model, tokenizer, problems, cfg: Config, device) -> dict:
     if cfg.shuffle_rewards:           # the control: same reward statistics, no relation to answers
         rewards = rewards[torch.randperm(len(rewards), device=device)]
     return {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "completions": completions,
-            "mask": mask, "rewards": rewards, "advantages": group_advantages(rewards, G)}
+            "mask": mask, "rewards": rewards,
+            "advantages": group_advantages(rewards, G, scale=cfg.scale_rewards == "group")}
 
 
 def flat_group_share(rewards: torch.Tensor, group_size: int) -> float:
@@ -913,7 +1000,7 @@ def rl_update(model, opt, batch: dict, cfg: Config, eps_low: float, eps_high: fl
     """
     G = cfg.group_size
     chunks = group_chunks(len(batch["rewards"]), G, cfg.minibatches, batch["rewards"].device)
-    num_tokens = (batch["mask"] != 0).sum() / cfg.minibatches    # CISPO, VESPO: as TRL normalises
+    num_tokens = (batch["mask"] != 0).sum() / cfg.minibatches    # dapo, CISPO, VESPO: as TRL normalises
 
     def logprobs(idx):                                                   # (len(idx), T)
         return group_policy_logprobs(model, batch["prompt_ids"][idx], batch["prompt_mask"][idx],
@@ -930,7 +1017,8 @@ def rl_update(model, opt, batch: dict, cfg: Config, eps_low: float, eps_high: fl
         if cfg.off_policy_mask is not None:           # DeepSeek-V3.2: drop drifted A < 0 responses
             kept = off_policy_sequence_mask(logp_new, logp_old, adv, mask, cfg.off_policy_mask)
             dropped, mask = (~kept & mask.any(-1)).sum().item(), mask & kept.unsqueeze(-1)
-        loss = loss_value(cfg.loss, logp_new, logp_old, adv, mask, eps_low, eps_high, num_tokens)
+        loss = loss_value(cfg.loss, logp_new, logp_old, adv, mask, eps_low, eps_high, num_tokens,
+                          aggregation=cfg.aggregation, max_tokens=cfg.max_new_tokens)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         if cfg.grad_clip > 0:
@@ -1167,7 +1255,8 @@ class Run:
         self.promoted = False
 
     def log(self, record: dict, line: str | None = None) -> None:
-        record = {**record, "elapsed": time.perf_counter() - self.t_start}   # seconds since start
+        record = {**record, "elapsed": time.perf_counter() - self.t_start,   # seconds since start
+                  "cpu_seconds": time.process_time()}          # this process's CPU time, all threads
         with open(os.path.join(self.dir, "metrics.jsonl"), "a") as f:
             f.write(json.dumps(record) + "\n")
         if line:
@@ -1319,7 +1408,16 @@ def build_parser(cls=Config) -> argparse.ArgumentParser:
 
 
 def parse_config(argv: list[str] | None = None, cls=Config) -> Config:
-    cfg = cls(**vars(build_parser(cls).parse_args(argv)))
+    """The flags given, over the task's own defaults (TASK_DEFAULTS), over the dataclass's."""
+    given = vars(build_parser(cls).parse_args(argv))
+    parser = build_parser(cls)
+    parser.set_defaults(**{k: None for k in given})
+    named = {k for k, v in vars(parser.parse_args(argv)).items() if v is not None}   # on the line
+    task = given.get("task", cls.task)
+    for key, value in TASK_DEFAULTS.get(task, {}).items():
+        if key in given and key not in named:
+            given[key] = value
+    cfg = cls(**given)
     validate(cfg)
     return cfg
 
@@ -1345,6 +1443,13 @@ def validate(cfg: Config) -> None:
             raise BadInput(f"--eps-high for cispo caps each token's weight and must exceed 1, got {eps}")
         if cfg.loss not in ("gmpo", "cispo") and not 0 < eps < 1:
             raise BadInput(f"{name} must lie in (0, 1), got {eps}")
+    if cfg.aggregation not in AGGREGATIONS:
+        raise BadInput(f"unknown --aggregation {cfg.aggregation!r}; choose one of {', '.join(AGGREGATIONS)}")
+    if cfg.aggregation != "paper" and cfg.loss not in LOSS_FNS:
+        raise BadInput(f"--aggregation is for gspo, gspo-token and grpo; --loss {cfg.loss} has its "
+                       "own (tutorial section 12)")
+    if cfg.scale_rewards not in ("group", "none"):
+        raise BadInput(f"unknown --scale-rewards {cfg.scale_rewards!r}; choose group or none")
     if cfg.off_policy_mask is not None and not cfg.off_policy_mask >= 0:
         raise BadInput(f"--off-policy-mask is a threshold in nats and cannot be negative, got "
                        f"{cfg.off_policy_mask}")
@@ -1360,10 +1465,10 @@ def validate(cfg: Config) -> None:
                        f"the same, so every group is flat), got {cfg.temperature}")
     if cfg.warmup_max_steps < 0 or cfg.threads < 0:
         raise BadInput("--warmup-max-steps and --threads cannot be negative")
-    n, _ = task_spec(cfg.task)
-    if cfg.test_size + cfg.val_size > n * n // 2:
-        raise BadInput(f"--test-size + --val-size must be at most {n * n // 2} for {cfg.task} "
-                       f"(half of its {n * n} problems), got {cfg.test_size + cfg.val_size}")
+    n = problem_count(cfg.task)
+    if cfg.test_size + cfg.val_size > n // 2:
+        raise BadInput(f"--test-size + --val-size must be at most {n // 2} for {cfg.task} "
+                       f"(half of its {n} problems), got {cfg.test_size + cfg.val_size}")
     if cfg.task == "add2-chat" and not cfg.model:
         raise BadInput("--task add2-chat asks in words: it needs a pretrained --model, not the "
                        "built-in character tokenizer")

@@ -213,6 +213,9 @@ BAD = {
     "cispo with a lower clip": ["--loss", "cispo", "--eps-low", "0.2"],
     "sapo with a clip band": ["--loss", "sapo", "--eps-high", "0.2"],
     "negative off-policy mask": ["--off-policy-mask", "-0.1"],
+    "unknown aggregation": ["--aggregation", "token"],
+    "aggregation for a relative": ["--loss", "cispo", "--aggregation", "dapo"],
+    "unknown reward scaling": ["--scale-rewards", "batch"],
 }
 
 
@@ -368,6 +371,69 @@ def test_reward_requires_eos_and_an_exact_answer():
     assert g.reward(ids("52"), "52", tok) == 0.0                # no EOS: never rewarded
     assert g.reward(ids("521") + [eos], "52", tok) == 0.0
     assert g.reward(ids("52") + [eos] + ids("9"), "52", tok) == 1.0   # after EOS is ignored
+
+
+# --- addwork: long answers, written working then the result ------------------------------------
+def test_addwork_solution_is_the_column_working_then_the_sum():
+    assert g.prompt_text("addwork", 4581, 77) == "004581+000077="
+    assert g.solution_text("addwork", 4581, 77) == "1+7=8|8+7=15|5+0+1=6|4+0=4|4658"
+    assert g.solution_text("addwork", 99, 99) == "9+9=18|9+9+1=19|198"           # the carry out
+    assert g.solution_text("addwork", 10, 999990) == "0+0=0|1+9=10|0+9+1=10|0+9+1=10|0+9+1=10|0+9+1=10|1000000"
+    assert g.answer_text("addwork", 4581, 77) == "4658" and g.solution_text("add2", 7, 45) == "52"
+    rng = random.Random(0)
+    for _ in range(2000):                           # every column's sum, and the carries, add up
+        a, b = g.draw_problem("addwork", rng)
+        *cols, result = g.solution_text("addwork", a, b).split("|")
+        assert int(result) == a + b and len(cols) == max(len(str(a)), len(str(b)))
+        assert all(eval(c.split("=")[0]) == int(c.split("=")[1]) for c in cols)
+        assert 2 <= len(str(a)) <= 6 and 2 <= len(str(b)) <= 6
+
+
+def test_addwork_answers_are_long_and_vary_in_length_over_the_test_set():
+    tok = g.build_char_tokenizer("addwork")
+    lengths = sorted(len(tok(g.solution_text("addwork", a, b), add_special_tokens=False).input_ids) + 1
+                     for a, b in g.make_splits("addwork", 500, 300)["test"])      # + EOS
+    median, p10, p90 = lengths[250], lengths[50], lengths[450]
+    assert median >= 24 and p90 / p10 >= 2, (median, p10, p90)
+    assert lengths[-1] + 1 <= g.TASK_DEFAULTS["addwork"]["max_new_tokens"]   # room for every answer
+    assert len(tok) == len(g.build_char_tokenizer()) + 1                    # '|' for addwork only
+
+
+def test_addwork_reward_reads_the_result_after_the_last_separator_and_needs_eos():
+    tok = g.build_char_tokenizer("addwork")
+    eos = tok.eos_token_id
+    r = lambda s, stop=True: g.reward(tok(s, add_special_tokens=False).input_ids + ([eos] if stop else []),
+                                      "198", tok, task="addwork")
+    assert r("9+9=18|9+9+1=19|198") == 1.0
+    assert r("9+9=18|9+9+1=19|198", stop=False) == 0.0          # no EOS: never rewarded
+    assert r("9+9=18|9+9=18|198") == 1.0                        # the working is not checked...
+    assert r("198") == 1.0                                      # ...nor required
+    assert r("9+9=18|9+9+1=19|19") == 0.0 and r("9+9=18|198|9") == 0.0 and r("") == 0.0
+
+
+def test_task_defaults_apply_only_where_no_flag_was_given(tmp_path):
+    out = ["--out", str(tmp_path / "x")]
+    cfg = g.parse_config(["--task", "addwork"] + out)
+    assert (cfg.max_new_tokens, cfg.steps, cfg.warmup_batch, cfg.warmup_lr, cfg.warmup_target,
+            cfg.eval_every) == (64, 60, 64, 2e-3, 0.4, 5)
+    cfg = g.parse_config(["--task", "addwork", "--steps", "7", "--warmup-lr", "1e-3"] + out)
+    assert (cfg.steps, cfg.warmup_lr, cfg.max_new_tokens) == (7, 1e-3, 64)
+    assert g.parse_config(out) == g.Config(out=out[1])                  # add2: the dataclass's own
+
+
+def test_addwork_end_to_end_warm_up_rl_and_the_long_answers_it_samples(tmp_path):
+    out = str(tmp_path / "addwork")
+    argv = ["--task", "addwork", "--steps", "2", "--warmup-max-steps", "5", "--warmup-batch", "8",
+            "--val-size", "16",
+            "--test-size", "16", "--prompts-per-step", "2", "--group-size", "4", "--minibatches", "2",
+            "--eval-every", "1", "--aggregation", "dapo", "--out", out]
+    assert g.main(argv) == 0
+    with open(os.path.join(out, "summary.json")) as f:
+        summary = json.load(f)
+    assert summary["config"]["max_new_tokens"] == 64 and summary["config"]["aggregation"] == "dapo"
+    rl = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
+    rl = [r for r in rl if r["stage"] == "rl"]
+    assert len(rl) == 2 and all(r["response_tokens"] > 6 for r in rl)    # longer than add2 allows
 
 
 @pytest.mark.parametrize("task", g.TASKS)

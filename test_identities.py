@@ -206,23 +206,24 @@ def test_long_rows_and_extreme_log_ratios_stay_finite_and_correct(dtype, length,
 # ---------------------------------------------------------------------------------------------
 # 3-4. Masked positions never matter; empty rows contribute nothing.
 # ---------------------------------------------------------------------------------------------
+OUTPUTS = {
+    "masked_mean": lambda new, old, adv, mask: g.masked_mean(new, mask),
+    "sequence_log_ratio": lambda new, old, adv, mask: g.sequence_log_ratio(new, old, mask),
+    "importance_ratio": lambda new, old, adv, mask: g.importance_ratio(new, old, mask),
+    "cross_entropy": lambda new, old, adv, mask: g.cross_entropy(new, mask),
+    "perplexity": lambda new, old, adv, mask: g.perplexity(new, mask),
+    "gspo_loss": g.gspo_loss, "gspo_token_loss": g.gspo_token_loss, "grpo_loss": g.grpo_loss,
+    "gmpo_loss": g.gmpo_loss, "sapo_loss": g.sapo_loss,
+    "sapo_loss_sequence": lambda *a: g.sapo_loss(*a, level="sequence"),
+    "cispo_loss": g.cispo_loss, "luspo_loss": g.luspo_loss, "vespo_loss": g.vespo_loss,
+    **{f"{name}_{agg}": (lambda fn, agg: lambda *a: fn(*a, aggregation=agg))(fn, agg)
+       for name, fn in (("gspo_loss", g.gspo_loss), ("gspo_token_loss", g.gspo_token_loss),
+                        ("grpo_loss", g.grpo_loss)) for agg in ("dapo", "dr_grpo")},
+}
+
+
 def all_outputs(lp_new, lp_old, adv, mask):
-    return {
-        "masked_mean": g.masked_mean(lp_new, mask),
-        "sequence_log_ratio": g.sequence_log_ratio(lp_new, lp_old, mask),
-        "importance_ratio": g.importance_ratio(lp_new, lp_old, mask),
-        "cross_entropy": g.cross_entropy(lp_new, mask),
-        "perplexity": g.perplexity(lp_new, mask),
-        "gspo_loss": g.gspo_loss(lp_new, lp_old, adv, mask),
-        "gspo_token_loss": g.gspo_token_loss(lp_new, lp_old, adv, mask),
-        "grpo_loss": g.grpo_loss(lp_new, lp_old, adv, mask),
-        "gmpo_loss": g.gmpo_loss(lp_new, lp_old, adv, mask),
-        "sapo_loss": g.sapo_loss(lp_new, lp_old, adv, mask),
-        "sapo_loss_sequence": g.sapo_loss(lp_new, lp_old, adv, mask, level="sequence"),
-        "cispo_loss": g.cispo_loss(lp_new, lp_old, adv, mask),
-        "luspo_loss": g.luspo_loss(lp_new, lp_old, adv, mask),
-        "vespo_loss": g.vespo_loss(lp_new, lp_old, adv, mask),
-    }
+    return {name: fn(lp_new, lp_old, adv, mask) for name, fn in OUTPUTS.items()}
 
 
 @given(batches(), st.sampled_from([float("nan"), float("inf"), -float("inf"), 1e30]))
@@ -234,11 +235,11 @@ def test_masked_positions_never_change_a_result_or_gradient(b, junk):
     clean_old = torch.where(b.mask, clean_old, 0).detach()
     dirty_new = torch.where(b.mask, clean_new, junk).detach()
     dirty_old = torch.where(b.mask, clean_old, -junk).detach()
-    for name in all_outputs(clean_new, clean_old, b.adv, b.mask):
+    for name, fn in OUTPUTS.items():
         results = []
         for new, old in ((clean_new, clean_old), (dirty_new, dirty_old)):
             new = new.clone().requires_grad_(True)
-            out = all_outputs(new, old, b.adv, b.mask)[name]
+            out = fn(new, old, b.adv, b.mask)
             out.sum().backward()
             results.append((out.detach(), new.grad))
         (v1, g1), (v2, g2) = results
@@ -875,3 +876,81 @@ def test_off_policy_mask_drops_exactly_the_drifted_responses_with_negative_advan
         dirty = g.off_policy_sequence_mask(torch.where(b.mask, lp_new, junk),
                                            torch.where(b.mask, lp_old, -junk), b.adv, b.mask, delta)
         assert torch.equal(dirty, keep)
+
+
+# ---------------------------------------------------------------------------------------------
+# Aggregation (--aggregation) and Dr. GRPO's advantage (--scale-rewards none).
+# ---------------------------------------------------------------------------------------------
+AGGREGATED = {"gspo": g.gspo_loss, "gspo-token": g.gspo_token_loss, "grpo": g.grpo_loss}
+
+
+@given(f64_batches)
+@with_corners(dtype=F64)
+def test_dapo_weights_each_sequence_gradient_by_its_length_over_the_mean_length(b):
+    """The aggregation trap: with a sequence-level ratio, dapo = sum_i |y_i| l_i / sum_i |y_i|, so
+    sequence i's gradient is the paper's times B |y_i| / sum_j |y_j| (|y_i| / mean |y|)."""
+    n = b.mask.sum(-1).to(F64)
+    weight = b.B * n / n.sum().clamp(min=1)
+    for name in ("gspo", "gspo-token"):
+        _, paper = grad_of(AGGREGATED[name], b)
+        _, dapo = grad_of(AGGREGATED[name], b, aggregation="dapo")
+        assert torch.allclose(dapo, paper * weight[:, None, None], rtol=1e-9, atol=1e-15), name
+
+
+@given(f64_batches)
+@with_corners(dtype=F64)
+def test_dapo_sums_grpos_token_terms_where_the_paper_averages_each_row(b):
+    lp_new, lp_old = b.logp("new"), b.logp("old")
+    w = torch.where(b.mask, lp_new - lp_old, 0).exp()
+    term = torch.minimum(w * b.adv[:, None], w.clamp(0.8, 1.27) * b.adv[:, None])      # (B, T)
+    total, n = torch.where(b.mask, term, 0).sum(), b.mask.sum()
+    for agg, denominator in (("dapo", n.clamp(min=1)), ("dr_grpo", b.B * b.T), ("dapo", 7.5)):
+        kw = {"num_tokens": denominator} if denominator == 7.5 else {}
+        loss = g.grpo_loss(lp_new, lp_old, b.adv, b.mask, aggregation=agg, **kw)
+        assert loss.item() == pytest.approx(-(total / denominator).item(), rel=1e-10, abs=1e-15), agg
+
+
+@given(f64_batches, st.integers(1, 12))
+def test_on_equal_lengths_every_aggregation_is_the_papers(b, L):
+    """All rows |y| = L: dapo's sum_i L l_i / (B L) and dr_grpo's with max_tokens = L are (1/B) sum_i l_i."""
+    b = Batch(**{**b.args, "garbage": None})                 # this test draws its own mask
+    mask = torch.arange(b.T)[None, :].expand(b.B, b.T) < min(L, b.T)
+    lp_new, lp_old = b.logp("new"), b.logp("old")
+    for name, fn in AGGREGATED.items():
+        paper = fn(lp_new, lp_old, b.adv, mask)
+        for agg in ("dapo", "dr_grpo"):
+            other = fn(lp_new, lp_old, b.adv, mask, aggregation=agg, max_tokens=min(L, b.T))
+            assert other.item() == pytest.approx(paper.item(), rel=1e-10, abs=1e-14), (name, agg)
+
+
+@given(batches(dtypes=(F64,), min_len=1))
+def test_every_aggregation_gives_an_empty_row_no_gradient(b):
+    mask = b.mask.clone()
+    mask[0] = False
+    for name, fn in AGGREGATED.items():
+        for agg in g.AGGREGATIONS:
+            new = b.logp("new").detach().clone().requires_grad_(True)
+            fn(new, b.logp("old"), b.adv, mask, aggregation=agg).backward()
+            assert (new.grad[0] == 0).all(), (name, agg)
+
+
+def test_an_unknown_aggregation_is_refused():
+    b = CORNERS[1]
+    with pytest.raises(ValueError, match="aggregation"):
+        g.gspo_loss(b.logp("new"), b.logp("old"), b.adv, b.mask, aggregation="token")
+
+
+@given(rewards_st)
+@example([[0.1] * 3, [1.0, 0.0, 1.0]])
+def test_dr_grpo_advantages_are_the_centred_rewards_and_exactly_zero_for_flat_groups(groups):
+    r, G = grouped(groups)
+    A = g.group_advantages(r.flatten(), G, scale=False).reshape(r.shape)
+    for i in range(len(r)):
+        if len(set(r[i].tolist())) == 1:
+            assert (A[i] == 0).all(), "a flat group must give exactly 0"
+        else:                                        # the reference: r - mean(r), no division
+            ref = [x - sum(r[i].tolist()) / G for x in r[i].tolist()]
+            assert A[i].tolist() == pytest.approx(ref, rel=1e-12, abs=1e-15)
+    scaled = g.group_advantages(r.flatten(), G).reshape(r.shape)
+    std = r.std(dim=1, keepdim=True)
+    assert torch.allclose(scaled * (std + 1e-6), A, rtol=1e-12, atol=1e-15)   # the one difference

@@ -296,3 +296,48 @@ def test_bench_times_both_sides_and_stops_on_its_budget(tmp_path, monkeypatch):
         assert all(16 <= t <= 16 * 6 for t in tokens) and 0 <= acc <= 1
         cycles, *_ = timed_run(cfg, start, torch.device("cpu"), 3, stop_after=0.0)
         assert len(cycles) == 1                                     # the budget ends the run
+
+
+# --- --aggregation against TRL's own loss types, one and four minibatches per rollout -----------------
+# (our function, its eps, TRL's importance_sampling_level, the log-ratio scale of the test batch)
+AGGREGATION_CASES = {"gspo": (g.gspo_loss, (3e-4, 4e-4), "sequence", 1.0),
+                     "grpo": (g.grpo_loss, (0.2, 0.27), "token", 1000.0)}
+
+
+@pytest.mark.parametrize("minibatches", [1, 4])
+@pytest.mark.parametrize("aggregation", ["dapo", "dr_grpo"])
+@pytest.mark.parametrize("loss", list(AGGREGATION_CASES))
+@pytest.mark.parametrize("seed", [0, 1])
+def test_aggregation_equals_trl_loss_type_in_value_and_gradient(tmp_path, loss, aggregation,
+                                                                minibatches, seed):
+    fn, (lo, hi), level, scale = AGGREGATION_CASES[loss]
+    trainer = make_trainer(tmp_path, importance_sampling_level=level, loss_type=aggregation,
+                           epsilon=lo, epsilon_high=hi, steps_per_generation=minibatches)
+    new, old, adv, mask = wide_batch(seed, scale)
+    mask[5] = False                                          # an empty row: it adds nothing either way
+    total = mask.sum()                                       # the rollout's tokens, as TRL counts them
+    for rows in torch.arange(len(adv)).tensor_split(minibatches):
+        part = [x[rows] for x in (new, old, adv, mask)]
+        v_trl, g_trl = trl_loss_and_grad(trainer, *part, num_items=total)
+        v_ours, g_ours = ours(fn, *part, eps_low=lo, eps_high=hi, aggregation=aggregation,
+                              num_tokens=total / minibatches, max_tokens=6)   # TRL: max_completion_length
+        assert abs(v_trl.item() - v_ours.item()) <= 1e-10, (loss, aggregation)
+        assert (g_trl - g_ours).abs().max().item() <= 1e-10, (loss, aggregation)
+
+
+def test_the_batches_of_the_aggregation_test_reach_each_clip():
+    new, old, adv, mask = wide_batch(0, 1.0)
+    s = g.importance_ratio(new, old, mask)
+    assert ((s > 1 + 4e-4) | (s < 1 - 3e-4)).any() and ((s < 1 + 4e-4) & (s > 1 - 3e-4)).any()
+    new, old, adv, mask = wide_batch(0, 1000.0)
+    w = torch.where(mask, new - old, 0).exp()
+    assert (((w > 1.27) | (w < 0.8)) & mask).any() and (((w < 1.27) & (w > 0.8)) & mask).any()
+
+
+def test_trl_config_follows_aggregation_and_scale_rewards(tmp_path):
+    import trl_compare as tc
+    cpu = torch.device("cpu")
+    for aggregation, loss_type in (("paper", "grpo"), ("dapo", "dapo"), ("dr_grpo", "dr_grpo")):
+        args = tc.grpo_config(g.Config(aggregation=aggregation, scale_rewards="none"), rollouts=1,
+                              out=str(tmp_path), device=cpu)
+        assert (args.loss_type, args.scale_rewards) == (loss_type, "none")

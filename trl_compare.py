@@ -65,8 +65,9 @@ def grpo_config(cfg: g.Config, rollouts: int, out: str, device: torch.device, **
         output_dir=out, seed=cfg.seed, use_cpu=device.type == "cpu",
         # the objective
         importance_sampling_level="token" if cfg.loss == "grpo" else "sequence",
-        loss_type="grpo", beta=0.0, epsilon=eps_low, epsilon_high=eps_high,
-        scale_rewards="group", num_iterations=1,
+        loss_type={"paper": "grpo"}.get(cfg.aggregation, cfg.aggregation),   # dapo, dr_grpo as named
+        beta=0.0, epsilon=eps_low, epsilon_high=eps_high,
+        scale_rewards=cfg.scale_rewards, num_iterations=1,
         # the batch: one rollout of prompts x G completions, split into `minibatches` steps
         num_generations=cfg.group_size, per_device_train_batch_size=rollout_size // cfg.minibatches,
         steps_per_generation=cfg.minibatches, gradient_accumulation_steps=1,
