@@ -1755,7 +1755,7 @@ def long_warmup(seed: int, out: str, extra=()) -> None:
         steps = g.warmup(model, tok, split, cfg, device, random.Random(cfg.seed), run, stop)
     run.checkpoint(model, tok)
     run.write_summary({"seed": seed, "warmup_steps": steps, "config": dataclasses.asdict(cfg),
-                       "wall_seconds": time.perf_counter() - t0})
+                       "interrupted": stop.requested, "wall_seconds": time.perf_counter() - t0})
 
 
 def long_runs() -> list[tuple[str, list[str]]]:
@@ -1779,11 +1779,21 @@ def long_jobs() -> list[dict]:
     return jobs
 
 
-def run_jobs(jobs: list[dict], folder: str, workers: int = 2) -> None:
-    """Run `jobs` (name, cmd, done: the file a finished job leaves, needs: a file it waits for),
-    `workers` at a time, one thread each; a finished job is skipped, so the target resumes."""
+def finished(done: str) -> bool:
+    """A job's summary.json exists and says it ran to its end (a Ctrl-C'd run writes one too)."""
+    if not os.path.exists(done):
+        return False
+    with open(done) as f:
+        return not json.load(f).get("interrupted", False)
+
+
+def run_jobs(jobs: list[dict], folder: str, workers: int = 2) -> int:
+    """Run `jobs` (name, cmd, done: the summary.json a finished job leaves, needs: the `done` of a
+    job it waits for), `workers` at a time, one thread each; a finished job is skipped, so the
+    target resumes. Returns how many jobs ran; raises when any failed (after the others ran)."""
     os.makedirs(folder, exist_ok=True)
-    pending = [j for j in jobs if not os.path.exists(j["done"])]
+    pending = [j for j in jobs if not finished(j["done"])]
+    ran = len(pending)
     active: list[tuple[dict, subprocess.Popen]] = []
     failed: set[str] = set()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
@@ -1792,7 +1802,9 @@ def run_jobs(jobs: list[dict], folder: str, workers: int = 2) -> None:
             pending.remove(job)
             failed.add(job["done"])
             print(f"skipped {job['name']}: what it needs failed", flush=True)
-        ready = [j for j in pending if j["needs"] is None or os.path.exists(j["needs"])]
+        ready = [j for j in pending if j["needs"] is None or finished(j["needs"])]
+        if not ready and not active and pending:              # waiting for what will never come
+            raise RuntimeError(f"jobs waiting for files no job writes: {[j['name'] for j in pending]}")
         while ready and len(active) < workers:
             job = ready.pop(0)
             pending.remove(job)
@@ -1803,18 +1815,20 @@ def run_jobs(jobs: list[dict], folder: str, workers: int = 2) -> None:
         for job, proc in list(active):
             if proc.poll() is not None:
                 active.remove((job, proc))
-                if proc.returncode:
+                if proc.returncode or not finished(job["done"]):
                     failed.add(job["done"])
                 print(f"finished {job['name']} (exit {proc.returncode})", flush=True)
+    if failed:
+        raise RuntimeError(f"{len(failed)} jobs failed or were skipped; their logs are in {folder}")
+    return ran
 
 
 def length_split(task: str = "addwork") -> dict[str, list]:
-    """The test problems split at the median length of their solutions: short and long."""
+    """The test problems in two halves by the length of their solutions, short and long (sorted
+    by length, ties in the test set's order, cut in the middle)."""
     test = g.make_splits(task, DEFAULTS.test_size, DEFAULTS.val_size)["test"]
-    lengths = [len(g.solution_text(task, a, b)) for a, b in test]
-    median = statistics.median(lengths)
-    return {"short": [p for p, n in zip(test, lengths) if n < median],
-            "long": [p for p, n in zip(test, lengths) if n >= median]}
+    ranked = sorted(test, key=lambda p: len(g.solution_text(task, *p)))
+    return {"short": ranked[:len(ranked) // 2], "long": ranked[len(ranked) // 2:]}
 
 
 def accuracy_by_length(checkpoint: str) -> dict:
@@ -1949,6 +1963,27 @@ def long_curves(ax, groups, key: str = "val_acc", smooth: int = 1) -> None:
     ax.legend(fontsize=7)
 
 
+def long_time_curves(ax, groups) -> None:
+    """Validation accuracy against each run's own process CPU seconds since RL began (its first
+    step's start; the script's `cpu_seconds`): median over seeds on a common grid, min-max band."""
+    import numpy as np
+    for group in groups:
+        curves = []
+        for seed in SEEDS:
+            rl = [r for r in read_metrics(f"{group}_s{seed}", LONG_RUNS) if r["stage"] == "rl"]
+            t0 = rl[0]["cpu_seconds"] - rl[0]["step_seconds"]          # one thread: CPU ~ wall
+            ev = [r for r in rl if "val_acc" in r]
+            curves.append((np.array([r["cpu_seconds"] - t0 for r in ev]), np.array([r["val_acc"] for r in ev])))
+        grid = np.linspace(max(c[0][0] for c in curves), min(c[0][-1] for c in curves), 40)
+        ys = np.stack([np.interp(grid, t, y) for t, y in curves])
+        colour, ls, marker = LONG_STYLE[group]
+        ax.plot(grid, np.median(ys, 0), color=colour, ls=ls, marker=marker, markevery=8, label=group)
+        ax.fill_between(grid, ys.min(0), ys.max(0), color=colour, alpha=0.12)
+    ax.set_xlabel("CPU seconds of the run's own process since RL began (1 thread)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+
+
 LONG_STYLE = {**STYLE, "gspo_dapo": ("#56B4E9", "--", "v"), "grpo_dapo": ("#E69F00", "--", "D"),
               "gspo_mb8": ("#CC79A7", "-.", "P"), "grpo_mb8": ("#000000", "-.", "X")}
 
@@ -1959,8 +1994,9 @@ def plot_long(plt, summary: dict) -> None:
     long_curves(axes[0, 0], ("gspo", "gspo-token", "grpo", "control"))
     axes[0, 0].set_ylabel("validation accuracy (greedy), median and range of 3 seeds")
     axes[0, 0].set_title("addwork: GSPO, GSPO-token, GRPO and the shuffled-reward control", fontsize=10)
-    accuracy_curves(axes[0, 1], {grp: [f"{grp}_s{seed}" for seed in SEEDS] for grp in ("gspo", "gspo-token", "grpo")},
-                    "against each run's own elapsed time (2 runs at a time, 1 thread each)", LONG_RUNS)
+    long_time_curves(axes[0, 1], ("gspo", "gspo-token", "grpo", "gspo_mb8", "grpo_mb8"))
+    axes[0, 1].set_ylabel("validation accuracy (greedy), median and range of 3 seeds")
+    axes[0, 1].set_title("against CPU time (8 minibatches: twice the optimiser steps)", fontsize=10)
     long_curves(axes[1, 0], ("gspo", "grpo", "gspo_mb8", "grpo_mb8"), "clip_tokens", smooth=5)
     axes[1, 0].set_ylabel("clip_tokens (share of tokens), 5-step mean")
     axes[1, 0].set_title("clipped tokens at 4 and at 8 minibatches per rollout", fontsize=10)
@@ -2027,7 +2063,10 @@ def figures_long() -> dict:
     jobs = long_jobs()
     reused, earlier = reused_runs([(j["name"], None) for j in jobs[len(SEEDS):]], LONG_RUNS, path,
                                   "figures_long_seconds")
-    run_jobs(jobs, LONG_RUNS)
+    if run_jobs(jobs, LONG_RUNS):              # a run was (re)made: what is computed from them too
+        for cache in ("variance.json", "by_length.json"):
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(os.path.join(LONG_RUNS, cache))
     print("the variance of log s on natural answers, and each run's accuracy on short and long problems",
           flush=True)
     variance = cached(os.path.join(LONG_RUNS, "variance.json"), long_variance)

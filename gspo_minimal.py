@@ -2,6 +2,7 @@
 
     python gspo_minimal.py                 # the default run (`make train`): 1.05M-parameter model, 2-digit addition
     python gspo_minimal.py --loss grpo     # the same run with GRPO's token-level objective
+    python gspo_minimal.py --task addwork  # long answers (15-62 tokens): column working, then the sum
     python gspo_minimal.py --help          # every hyperparameter, with its meaning
 
 Papers:

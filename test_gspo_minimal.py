@@ -419,6 +419,8 @@ def test_task_defaults_apply_only_where_no_flag_was_given(tmp_path):
     cfg = g.parse_config(["--task", "addwork", "--steps", "7", "--warmup-lr", "1e-3"] + out)
     assert (cfg.steps, cfg.warmup_lr, cfg.max_new_tokens) == (7, 1e-3, 64)
     assert g.parse_config(out) == g.Config(out=out[1])                  # add2: the dataclass's own
+    cfg = g.parse_config(["--task", "addwork", "--max-new-tokens", "6", "--shuffle-rewards"] + out)
+    assert cfg.max_new_tokens == 6 and cfg.shuffle_rewards and cfg.steps == 60   # given = given
 
 
 def test_addwork_end_to_end_warm_up_rl_and_the_long_answers_it_samples(tmp_path):
@@ -433,7 +435,7 @@ def test_addwork_end_to_end_warm_up_rl_and_the_long_answers_it_samples(tmp_path)
     assert summary["config"]["max_new_tokens"] == 64 and summary["config"]["aggregation"] == "dapo"
     rl = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
     rl = [r for r in rl if r["stage"] == "rl"]
-    assert len(rl) == 2 and all(r["response_tokens"] > 6 for r in rl)    # longer than add2 allows
+    assert len(rl) == 2 and all(6 < r["response_tokens"] < 64 for r in rl)   # some stop, past add2's 6
 
 
 @pytest.mark.parametrize("task", g.TASKS)
@@ -845,3 +847,80 @@ def test_answer_forms_counts_openings_with_numbers_written_n(bpe_tokenizer):
     assert r["answers"] == 3 and sum(n for _, n in r["openings"]) == 3 and len(r["first_answers"]) == 3
     assert all("0" not in f and "7" not in f for f, _ in r["openings"])      # digits became N
     assert 0 <= r["stopped"] <= 3 and 1 <= r["mean_tokens"] <= 6
+
+
+# --- make figures-long ---------------------------------------------------------------------------
+def test_run_jobs_waits_for_what_a_job_needs_skips_finished_jobs_and_dependents_of_failures(tmp_path, capsys):
+    import experiments as e
+    mark = lambda name: str(tmp_path / name)
+    touch = lambda name, code=0: [sys.executable, "-c", f"open({mark(name)!r}, 'w').write('{{}}'); raise SystemExit({code})"]
+    with open(mark("done_before"), "w") as f:
+        f.write("{}")
+    jobs = [{"name": "a", "cmd": touch("a"), "done": mark("a"), "needs": None},
+            {"name": "b", "cmd": touch("b"), "done": mark("b"), "needs": mark("a")},
+            {"name": "bad", "cmd": touch("bad", 1), "done": mark("bad_done"), "needs": None},
+            {"name": "after_bad", "cmd": touch("after_bad"), "done": mark("after_bad"), "needs": mark("bad_done")},
+            {"name": "kept", "cmd": touch("never"), "done": mark("done_before"), "needs": None}]
+    with pytest.raises(RuntimeError, match="2 jobs failed or were skipped"):
+        e.run_jobs(jobs, str(tmp_path / "logs"))
+    out = capsys.readouterr().out
+    assert os.path.exists(mark("a")) and os.path.exists(mark("b")) and os.path.exists(mark("bad"))
+    assert not os.path.exists(mark("after_bad")) and "skipped after_bad" in out
+    assert not os.path.exists(mark("never")) and "started kept" not in out          # resumed: skipped
+
+
+def test_figures_long_runs_exactly_the_spec_list_each_from_its_seeds_warm_up():
+    import experiments as e
+    runs = dict(e.long_runs())
+    assert len(runs) == 24
+    expect = {("gspo", "paper", 4, False): 3, ("gspo-token", "paper", 4, False): 3,
+              ("grpo", "paper", 4, False): 3, ("gspo", "dapo", 4, False): 3, ("grpo", "dapo", 4, False): 3,
+              ("gspo", "paper", 8, False): 3, ("grpo", "paper", 8, False): 3, ("gspo", "paper", 4, True): 3}
+    seen = {}
+    for name, args in runs.items():
+        cfg = g.Config(**vars(g.build_parser().parse_args(args)))      # the warm-ups do not exist yet
+        key = (cfg.loss, cfg.aggregation, cfg.minibatches, cfg.shuffle_rewards)
+        seen[key] = seen.get(key, 0) + 1
+        assert cfg.task == "addwork" and cfg.warmup_max_steps == 0
+        assert cfg.model == os.path.join(e.warm_dir(cfg.seed), "checkpoint")
+    assert seen == expect
+    jobs = {j["name"]: j for j in e.long_jobs()}
+    assert len(jobs) == 27 and all(jobs[f"warmup_s{s}"]["needs"] is None for s in (0, 1, 2))
+    for name, args in runs.items():
+        cmd, seed = jobs[name]["cmd"], name.rsplit("_s", 1)[1]
+        assert jobs[name]["needs"] == jobs[f"warmup_s{seed}"]["done"]
+        assert cmd[cmd.index("--steps") + 1] == str(e.LONG_STEPS) and cmd[cmd.index("--threads") + 1] == "1"
+        assert cmd[cmd.index("--out") + 1] == os.path.join(e.LONG_RUNS, name)
+
+
+def test_an_interrupted_run_is_not_a_finished_one(tmp_path):
+    import experiments as e
+    path = tmp_path / "summary.json"
+    assert not e.finished(str(path))
+    path.write_text(json.dumps({"interrupted": True}))
+    assert not e.finished(str(path))
+    path.write_text(json.dumps({"interrupted": False}))
+    assert e.finished(str(path))
+
+
+def test_the_committed_long_results_hold_the_spec_keys_and_agree_with_their_runs():
+    with open(os.path.join(HERE, "figures", "long.json")) as f:
+        r = json.load(f)
+    for key in ("task", "response_tokens_median", "response_tokens_p10", "response_tokens_p90",
+                "figures_long_seconds", "runs", "variance_slope_log_s_natural", "command", "seconds",
+                "measured_at_commit", "versions", "threads"):
+        assert key in r, key
+    assert r["task"] == "addwork" and "dirty" not in r and len(r["runs"]) == 24
+    assert r["response_tokens_median"] >= 24 and r["response_tokens_p90"] / r["response_tokens_p10"] >= 2
+    for run in r["runs"]:
+        for key in ("loss", "aggregation", "minibatches", "shuffle_rewards", "seed", "accuracy_before_rl",
+                    "accuracy_after_rl", "mean_response_tokens_first_10_steps",
+                    "mean_response_tokens_last_10_steps", "clip_tokens", "clip_seqs", "wall_seconds"):
+            assert key in run, key
+    for seed in (0, 1, 2):                    # every run of a seed starts from its one warm-up
+        assert len({run["accuracy_before_rl"] for run in r["runs"] if run["seed"] == seed}) == 1
+    import statistics
+    for group, s in r["by_group"].items():
+        rs = [run for run in r["runs"] if run["group"] == group]
+        assert s["median_after"] == statistics.median(run["accuracy_after_rl"] for run in rs)
+        assert s["gains"] == [run["accuracy_after_rl"] - run["accuracy_before_rl"] for run in rs]

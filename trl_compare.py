@@ -104,12 +104,13 @@ class EosExactMatch:
 
     __name__ = "eos_exact_match"        # TRL names the reward's metrics after it
 
-    def __init__(self, tokenizer):
-        self.tokenizer, self.rewards, self.lengths = tokenizer, [], []
+    def __init__(self, tokenizer, task: str = "add2"):
+        self.tokenizer, self.task, self.rewards, self.lengths = tokenizer, task, [], []
 
     def __call__(self, prompts, completions, completion_ids, answer, **kwargs) -> list[float]:
         # completion_ids: TRL's token ids, cut after the first EOS (EOS included)
-        self.rewards = [g.reward(ids, ans, self.tokenizer) for ids, ans in zip(completion_ids, answer)]
+        self.rewards = [g.reward(ids, ans, self.tokenizer, task=self.task)
+                        for ids, ans in zip(completion_ids, answer)]
         self.lengths = [len(ids) for ids in completion_ids]
         return self.rewards
 
@@ -149,7 +150,7 @@ def build_trainer(cfg: g.Config, model, tokenizer, problems, rollouts: int, out:
             self.sampling_seconds += time.perf_counter() - t0
             return out
 
-    reward = EosExactMatch(tokenizer)
+    reward = EosExactMatch(tokenizer, cfg.task)
     trainer = GSPOTrainer(model=model, reward_funcs=reward, processing_class=tokenizer,
                           args=grpo_config(cfg, rollouts, out, device, **overrides),
                           train_dataset=problems_dataset(cfg.task, problems))
