@@ -1247,26 +1247,57 @@ def figure_runs() -> list[tuple[str, list[str]]]:
     return runs
 
 
-def run_all(runs, workers: int = 2, folder: str = FIG_RUNS) -> None:
-    """Run the training jobs, `workers` at a time, one thread each (2 cores: no oversubscription).
-    A run whose summary.json exists is kept and skipped, so an interrupted target resumes."""
+def finished(done: str) -> bool:
+    """A job's summary.json exists and says it ran to its end (a Ctrl-C'd run writes one too)."""
+    if not os.path.exists(done):
+        return False
+    with open(done) as f:
+        return not json.load(f).get("interrupted", False)
+
+
+def run_jobs(jobs: list[dict], folder: str, workers: int = 2) -> int:
+    """Run `jobs` (name, cmd, done: the summary.json a finished job leaves, needs: the `done` of a
+    job it waits for), `workers` at a time, one thread each; a finished job is skipped, so the
+    target resumes. Returns how many jobs ran; raises when any failed (after the others ran)."""
     os.makedirs(folder, exist_ok=True)
-    pending = [r for r in runs if not os.path.exists(os.path.join(folder, r[0], "summary.json"))]
-    active: list[tuple[str, subprocess.Popen]] = []
+    pending = [j for j in jobs if not finished(j["done"])]
+    ran = len(pending)
+    active: list[tuple[dict, subprocess.Popen]] = []
+    failed: set[str] = set()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     while pending or active:
-        while pending and len(active) < workers:
-            name, args = pending.pop(0)
-            log = open(os.path.join(folder, name + ".log"), "w")
-            cmd = [sys.executable, "gspo_minimal.py", *args, "--steps", str(FIG_STEPS),
-                   "--threads", "1", "--out", os.path.join(folder, name)]
-            active.append((name, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)))
-            print(f"started {name}", flush=True)
+        for job in [j for j in pending if j["needs"] in failed]:
+            pending.remove(job)
+            failed.add(job["done"])
+            print(f"skipped {job['name']}: what it needs failed", flush=True)
+        ready = [j for j in pending if j["needs"] is None or finished(j["needs"])]
+        if not ready and not active and pending:              # waiting for what will never come
+            raise RuntimeError(f"jobs waiting for files no job writes: {[j['name'] for j in pending]}")
+        while ready and len(active) < workers:
+            job = ready.pop(0)
+            pending.remove(job)
+            log = open(os.path.join(folder, job["name"] + ".log"), "w")
+            active.append((job, subprocess.Popen(job["cmd"], stdout=log, stderr=subprocess.STDOUT, env=env)))
+            print(f"started {job['name']}", flush=True)
         time.sleep(1)
-        for name, proc in list(active):
+        for job, proc in list(active):
             if proc.poll() is not None:
-                active.remove((name, proc))
-                print(f"finished {name} (exit {proc.returncode})", flush=True)
+                active.remove((job, proc))
+                if proc.returncode or not finished(job["done"]):
+                    failed.add(job["done"])
+                print(f"finished {job['name']} (exit {proc.returncode})", flush=True)
+    if failed:
+        raise RuntimeError(f"{len(failed)} jobs failed or were skipped; their logs are in {folder}")
+    return ran
+
+
+def run_all(runs, workers: int = 2, folder: str = FIG_RUNS) -> None:
+    """Run the training jobs, `workers` at a time, one thread each (2 cores: no oversubscription).
+    A run whose summary.json says it finished is kept and skipped, so an interrupted target resumes."""
+    run_jobs([{"name": name, "needs": None, "done": os.path.join(folder, name, "summary.json"),
+               "cmd": [sys.executable, "gspo_minimal.py", *args, "--steps", str(FIG_STEPS),
+                       "--threads", "1", "--out", os.path.join(folder, name)]}
+              for name, args in runs], folder, workers)
 
 
 def reused_runs(runs, folder: str, result_json: str, key: str) -> tuple[list[str], float]:
@@ -1779,50 +1810,6 @@ def long_jobs() -> list[dict]:
                      "cmd": [sys.executable, "gspo_minimal.py", *args, "--steps", str(LONG_STEPS),
                              "--threads", "1", "--out", os.path.join(LONG_RUNS, name), *LONG_EXTRA]})
     return jobs
-
-
-def finished(done: str) -> bool:
-    """A job's summary.json exists and says it ran to its end (a Ctrl-C'd run writes one too)."""
-    if not os.path.exists(done):
-        return False
-    with open(done) as f:
-        return not json.load(f).get("interrupted", False)
-
-
-def run_jobs(jobs: list[dict], folder: str, workers: int = 2) -> int:
-    """Run `jobs` (name, cmd, done: the summary.json a finished job leaves, needs: the `done` of a
-    job it waits for), `workers` at a time, one thread each; a finished job is skipped, so the
-    target resumes. Returns how many jobs ran; raises when any failed (after the others ran)."""
-    os.makedirs(folder, exist_ok=True)
-    pending = [j for j in jobs if not finished(j["done"])]
-    ran = len(pending)
-    active: list[tuple[dict, subprocess.Popen]] = []
-    failed: set[str] = set()
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    while pending or active:
-        for job in [j for j in pending if j["needs"] in failed]:
-            pending.remove(job)
-            failed.add(job["done"])
-            print(f"skipped {job['name']}: what it needs failed", flush=True)
-        ready = [j for j in pending if j["needs"] is None or finished(j["needs"])]
-        if not ready and not active and pending:              # waiting for what will never come
-            raise RuntimeError(f"jobs waiting for files no job writes: {[j['name'] for j in pending]}")
-        while ready and len(active) < workers:
-            job = ready.pop(0)
-            pending.remove(job)
-            log = open(os.path.join(folder, job["name"] + ".log"), "w")
-            active.append((job, subprocess.Popen(job["cmd"], stdout=log, stderr=subprocess.STDOUT, env=env)))
-            print(f"started {job['name']}", flush=True)
-        time.sleep(1)
-        for job, proc in list(active):
-            if proc.poll() is not None:
-                active.remove((job, proc))
-                if proc.returncode or not finished(job["done"]):
-                    failed.add(job["done"])
-                print(f"finished {job['name']} (exit {proc.returncode})", flush=True)
-    if failed:
-        raise RuntimeError(f"{len(failed)} jobs failed or were skipped; their logs are in {folder}")
-    return ran
 
 
 def length_split(task: str = "addwork") -> dict[str, list]:
