@@ -9,7 +9,6 @@
     python experiments.py pretrained # `make pretrained`: SmolLM2-135M-Instruct, figures/pretrained.json
     python experiments.py figures-family  # `make figures-family`: GSPO's relatives on add2, figures/family.json
     python experiments.py figures-long    # `make figures-long`: long answers (addwork), figures/long.json
-    python experiments.py long-steps      # GSPO and its control for 120 steps from figures-long's warm-ups
 
 Everything here imports gspo_minimal and adds no training logic of its own: the updates measured are
 `gspo_minimal.rl_update` with the script's own optimiser (`rl_optimizer`) at its defaults, the
@@ -1200,8 +1199,8 @@ def main(argv=None) -> int:
         long_warmup(int(argv[1]), argv[2], argv[3:])
         return 0
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("what", choices=["verify", "figures", "figures-family", "figures-long", "long-steps",
-                                         "sampler", "metrics", "logprobs", "gpu-check", "pretrained"])
+    parser.add_argument("what", choices=["verify", "figures", "figures-family", "figures-long", "sampler",
+                                         "metrics", "logprobs", "gpu-check", "pretrained"])
     parser.add_argument("folder", nargs="?", default=TRAIN_DIR, help="run folder for `metrics`")
     parser.add_argument("--device", default="cuda", help="gpu-check: the device to check")
     args = parser.parse_args(argv)
@@ -1217,7 +1216,6 @@ def main(argv=None) -> int:
     from transformers.utils import logging as hf_logging
     hf_logging.disable_progress_bar()
     {"verify": verify, "figures": figures, "figures-family": figures_family, "figures-long": figures_long,
-     "long-steps": long_steps,
      "sampler": bench_sampler,
      "pretrained": pretrained}[args.what]()
     return 0
@@ -1897,7 +1895,8 @@ def long_summary(variance: dict, by_length: dict) -> dict:
                      "clip_seqs": statistics.fmean(r["clip_seqs"] for r in rl),
                      "clip_ceiling": statistics.fmean(r["clip_ceiling"] for r in rl),
                      "wall_seconds": s["wall_seconds"], "rl_seconds": s["rl_seconds"],
-                     "rl_cpu_seconds": rl[-1]["cpu_seconds"] - rl[0]["cpu_seconds"] + rl[0]["step_seconds"]})
+                     "rl_cpu_seconds": rl[-1]["cpu_seconds"] - rl[0]["cpu_seconds"] + rl[0]["step_seconds"],
+                     "val_acc_at_step": {r["step"]: r["val_acc"] for r in rl if "val_acc" in r}})
     groups = {}
     for group in LONG_GROUPS:
         rs = [r for r in runs if r["group"] == group]
@@ -1928,6 +1927,9 @@ def long_summary(variance: dict, by_length: dict) -> dict:
             "variance_slope_log_s_natural_ci95": variance["by_natural_length"]["slope_ci95"],
             "variance_slope_log_s_prefix": variance["by_prefix"]["slope"],
             "variance_slope_log_s_prefix_ci95": variance["by_prefix"]["slope_ci95"],
+            # past the format's first tokens ('+' and '=' are certain): from L = 4 on
+            "variance_slope_log_s_prefix_from_4": loglog_slope(variance["by_prefix"]["lengths"][2:],
+                                                              variance["by_prefix"]["var"][2:]),
             "variance": variance}
 
 
@@ -2082,64 +2084,6 @@ def figures_long() -> dict:
     print(f"{FIG_DIR}/long_accuracy.png, {FIG_DIR}/long_aggregation.png, {FIG_DIR}/long_variance.png, {path}, "
           f"{summary['figures_long_seconds']:.0f} s")
     return summary
-
-
-
-# ---------------------------------------------------------------------------------------------
-# python experiments.py long-steps: GSPO and its control for twice make figures-long's RL steps
-# ---------------------------------------------------------------------------------------------
-LONGER_STEPS = 120       # twice LONG_STEPS, from the same warm-ups; fixed before the runs
-LONGER_GROUPS = ("gspo", "control")
-
-
-def longer_jobs() -> list[dict]:
-    """GSPO and the shuffled-reward control, LONGER_STEPS each, from figures-long's warm-ups
-    (which it makes first when they are missing)."""
-    jobs = long_jobs()[:len(SEEDS)]
-    for seed in SEEDS:
-        for group in LONGER_GROUPS:
-            name = f"{group}_{LONGER_STEPS}steps_s{seed}"
-            args = ["--task", "addwork", "--model", os.path.join(warm_dir(seed), "checkpoint"),
-                    "--warmup-max-steps", "0", "--seed", str(seed), *LONG_GROUPS[group]]
-            jobs.append({"name": name, "needs": jobs[seed]["done"], "args": args,
-                         "done": os.path.join(LONG_RUNS, name, "summary.json"),
-                         "cmd": [sys.executable, "gspo_minimal.py", *args, "--steps", str(LONGER_STEPS),
-                                 "--threads", "1", "--out", os.path.join(LONG_RUNS, name)]})
-    return jobs
-
-
-def long_steps() -> dict:
-    """figures/long_steps.json: does RL keep improving past 60 steps on addwork?"""
-    import numpy as np
-    t0 = time.perf_counter()
-    path = os.path.join(FIG_DIR, "long_steps.json")
-    jobs = longer_jobs()
-    reused, earlier = reused_runs([(j["name"], None) for j in jobs[len(SEEDS):]], LONG_RUNS, path,
-                                  "long_steps_seconds")
-    run_jobs(jobs, LONG_RUNS)
-    runs = []
-    for job in jobs[len(SEEDS):]:
-        s = read_summary(job["name"], LONG_RUNS)
-        rl = [r for r in read_metrics(job["name"], LONG_RUNS) if r["stage"] == "rl"]
-        runs.append({"name": job["name"], "group": job["name"].split("_")[0], "seed": s["seed"],
-                     "settings": job["args"] + ["--steps", str(LONGER_STEPS), "--threads", "1"],
-                     "accuracy_before_rl": s["accuracy_before_rl"], "accuracy_after_rl": s["accuracy_after_rl"],
-                     "val_acc_at_step": {r["step"]: r["val_acc"] for r in rl if "val_acc" in r},
-                     "wall_seconds": s["wall_seconds"], "rl_seconds": s["rl_seconds"]})
-    groups = {grp: {"gains": [r["accuracy_after_rl"] - r["accuracy_before_rl"] for r in runs if r["group"] == grp],
-                    "seeds_after": [r["accuracy_after_rl"] for r in runs if r["group"] == grp]}
-              for grp in LONGER_GROUPS}
-    for grp in groups.values():
-        grp["median_gain"] = float(np.median(grp["gains"]))
-    seconds = time.perf_counter() - t0
-    out = {"task": "addwork", "steps": LONGER_STEPS, "seeds": list(SEEDS), "runs": runs, "by_group": groups,
-           "runs_reused": reused, "long_steps_seconds": earlier + seconds}
-    write_json(path, out, "python experiments.py long-steps", out["long_steps_seconds"])
-    for grp, r in groups.items():
-        print(f"{grp:8s} {LONGER_STEPS} steps: test accuracy gains {', '.join(f'{x:+.3f}' for x in r['gains'])}, "
-              f"median {r['median_gain']:+.3f}")
-    print(f"{path}, {out['long_steps_seconds']:.0f} s")
-    return out
 
 
 if __name__ == "__main__":

@@ -925,13 +925,3 @@ def test_the_committed_long_results_hold_the_spec_keys_and_agree_with_their_runs
         assert s["median_after"] == statistics.median(run["accuracy_after_rl"] for run in rs)
         assert s["gains"] == [run["accuracy_after_rl"] - run["accuracy_before_rl"] for run in rs]
 
-
-def test_long_steps_runs_gspo_and_its_control_for_twice_the_steps_from_the_same_warm_ups():
-    import experiments as e
-    jobs = e.longer_jobs()
-    assert [j["name"] for j in jobs[:3]] == ["warmup_s0", "warmup_s1", "warmup_s2"]
-    assert e.LONGER_STEPS == 2 * e.LONG_STEPS and len(jobs) == 3 + 2 * 3
-    for job in jobs[3:]:
-        seed = int(job["name"].rsplit("_s", 1)[1])
-        assert job["needs"] == jobs[seed]["done"] and job["cmd"][job["cmd"].index("--steps") + 1] == "120"
-        assert ("--shuffle-rewards" in job["cmd"]) == job["name"].startswith("control")
