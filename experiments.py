@@ -1253,7 +1253,7 @@ def finished(done: str) -> bool:
         return not json.load(f).get("interrupted", False)
 
 
-def run_jobs(jobs: list[dict], folder: str, workers: int = 2) -> int:
+def run_jobs(jobs: list[dict], folder: str, workers: int = 2, poll: float = 1.0) -> int:
     """Run `jobs` (name, cmd, done: the summary.json a finished job leaves, needs: the `done` of a
     job it waits for), `workers` at a time, one thread each; a finished job is skipped, so the
     target resumes. Returns how many jobs ran; raises when any failed (after the others ran)."""
@@ -1277,7 +1277,7 @@ def run_jobs(jobs: list[dict], folder: str, workers: int = 2) -> int:
             log = open(os.path.join(folder, job["name"] + ".log"), "w")
             active.append((job, subprocess.Popen(job["cmd"], stdout=log, stderr=subprocess.STDOUT, env=env)))
             print(f"started {job['name']}", flush=True)
-        time.sleep(1)
+        time.sleep(poll)
         for job, proc in list(active):
             if proc.poll() is not None:
                 active.remove((job, proc))

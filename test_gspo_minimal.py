@@ -862,7 +862,7 @@ def test_run_jobs_waits_for_what_a_job_needs_skips_finished_jobs_and_dependents_
             {"name": "after_bad", "cmd": touch("after_bad"), "done": mark("after_bad"), "needs": mark("bad_done")},
             {"name": "kept", "cmd": touch("never"), "done": mark("done_before"), "needs": None}]
     with pytest.raises(RuntimeError, match="2 jobs failed or were skipped"):
-        e.run_jobs(jobs, str(tmp_path / "logs"))
+        e.run_jobs(jobs, str(tmp_path / "logs"), poll=0.05)
     out = capsys.readouterr().out
     assert os.path.exists(mark("a")) and os.path.exists(mark("b")) and os.path.exists(mark("bad"))
     assert not os.path.exists(mark("after_bad")) and "skipped after_bad" in out
