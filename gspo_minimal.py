@@ -2,7 +2,7 @@
 
     python gspo_minimal.py                 # the default run (`make train`): 1.05M-parameter model, 2-digit addition
     python gspo_minimal.py --loss grpo     # the same run with GRPO's token-level objective
-    python gspo_minimal.py --task addwork  # long answers (15-62 tokens): column working, then the sum
+    python gspo_minimal.py --task addwork  # long answers (15-60 tokens): column working, then the sum
     python gspo_minimal.py --help          # every hyperparameter, with its meaning
 
 Papers:
@@ -151,7 +151,7 @@ class Config:
 LOSSES = ("gspo", "gspo-token", "grpo", "gmpo", "sapo", "sapo-seq", "cispo", "luspo", "vespo")
 AGGREGATIONS = ("paper", "dapo", "dr_grpo")
 TASKS = ("add2", "add3", "mul2", "addwork", "add2-chat")
-# addwork's answers are 15 to 62 tokens instead of 2 to 4: room to write them; a smaller warm-up
+# addwork's answers are 15 to 60 tokens instead of 2 to 4: room to write them; a smaller warm-up
 # batch at a higher rate (tutorial section 13 lists the settings tried), stopped a little later, at
 # 0.4, so that fewer groups start flat; 60 RL steps, validated every 5, so that one run fits in ten
 # minutes on two CPU cores. A flag given on the command line wins over these.
@@ -241,7 +241,7 @@ def answer_text(task: str, a: int, b: int) -> str:
 def solution_text(task: str, a: int, b: int) -> str:
     """What the warm-up teaches the model to write. For addwork, the column working, least
     significant column first, each column 'x+y=z' with '+1' for a carry, then the result:
-    4581+77= -> '1+7=8|8+7=15|5+0+1=6|4+0=4|4658' (18 to 62 tokens with EOS, like a reasoning trace:
+    4581+77= -> '1+7=8|8+7=15|5+0+1=6|4+0=4|4658' (15 to 60 tokens with EOS, like a reasoning trace:
     work first, answer last). For every other task, the answer alone."""
     if task != "addwork":
         return answer_text(task, a, b)
