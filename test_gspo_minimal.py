@@ -324,7 +324,8 @@ def test_ctrl_c_leaves_a_loadable_checkpoint_and_exits_130(tmp_path):
     out = tmp_path / "int"
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen([sys.executable, os.path.join(HERE, "gspo_minimal.py"), *TINY,
-                             "--steps", "100000", "--out", str(out), "--threads", "1"],
+                             "--steps", "100000", "--out", str(out), "--threads", "1",
+                             "--warmup-max-steps", "2", "--warmup-batch", "32"],   # to the RL loop fast
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 60
     while time.time() < deadline and not (out / "metrics.jsonl").exists():
