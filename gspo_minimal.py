@@ -302,8 +302,8 @@ def build_char_tokenizer(task: str = "add2"):
 # Model: a tiny Llama (or Mixtral for --moe) built from a config, no download; or any hub model.
 # ---------------------------------------------------------------------------------------------
 def build_tiny_model(tokenizer, moe: bool = False, positions: int = 64):
-    """1.05M parameters dense; 1.84M with --moe (4 experts, 2 active per token). `positions`:
-    the longest prompt + completion (RoPE: no parameters depend on it; addwork needs 128)."""
+    """1.05M parameters dense; 1.84M with --moe (4 experts, 2 active per token). `positions`: room
+    for the longest prompt + completion (RoPE: no parameter depends on it)."""
     from transformers import LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM
 
     common = dict(vocab_size=len(tokenizer), hidden_size=128, num_hidden_layers=4,
@@ -346,7 +346,9 @@ def build(cfg: Config, device):
             tokenizer.chat_template = None
     else:
         tokenizer = build_char_tokenizer(cfg.task)
-        model = build_tiny_model(tokenizer, moe=cfg.moe, positions=128 if cfg.task == "addwork" else 64)
+        longest = len(prompt_text(cfg.task, 0, 0)) + cfg.max_new_tokens      # a token per character
+        model = build_tiny_model(tokenizer, moe=cfg.moe,   # 64 positions, or the next power of 2 up
+                                 positions=max(64, 1 << (longest - 1).bit_length()))
     return model.to(device), tokenizer
 
 

@@ -400,6 +400,14 @@ def test_addwork_answers_are_long_and_vary_in_length_over_the_test_set():
     assert len(tok) == len(g.build_char_tokenizer()) + 1                    # '|' for addwork only
 
 
+def test_the_built_in_model_has_room_for_the_longest_prompt_and_completion(tmp_path):
+    out = ["--out", str(tmp_path / "x")]
+    for argv, positions in ((["--task", "add2"], 64), (["--task", "addwork"], 128),
+                            (["--task", "add2", "--max-new-tokens", "100"], 128)):
+        model, _ = g.build(g.parse_config(argv + out), "cpu")
+        assert model.config.max_position_embeddings == positions, argv
+
+
 def test_addwork_reward_reads_the_result_after_the_last_separator_and_needs_eos():
     tok = g.build_char_tokenizer("addwork")
     eos = tok.eos_token_id
