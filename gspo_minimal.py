@@ -1412,15 +1412,11 @@ def build_parser(cls=Config) -> argparse.ArgumentParser:
 
 def parse_config(argv: list[str] | None = None, cls=Config) -> Config:
     """The flags given, over the task's own defaults (TASK_DEFAULTS), over the dataclass's."""
-    given = vars(build_parser(cls).parse_args(argv))
-    parser = build_parser(cls)
-    parser.set_defaults(**{k: None for k in given})
-    named = {k for k, v in vars(parser.parse_args(argv)).items() if v is not None}   # on the line
-    task = given.get("task", cls.task)
-    for key, value in TASK_DEFAULTS.get(task, {}).items():
-        if key in given and key not in named:
-            given[key] = value
-    cfg = cls(**given)
+    unset = object()          # argparse fills in a default only where the namespace has no value yet
+    blank = argparse.Namespace(**{f.name: unset for f in dataclasses.fields(cls)})
+    ns = build_parser(cls).parse_args(argv, blank)
+    given = {k: v for k, v in vars(ns).items() if v is not unset}                 # on the line
+    cfg = cls(**{**TASK_DEFAULTS.get(given.get("task", cls.task), {}), **given})
     validate(cfg)
     return cfg
 
