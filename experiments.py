@@ -1274,8 +1274,8 @@ def run_jobs(jobs: list[dict], folder: str, workers: int = 2, poll: float = 1.0)
         while ready and len(active) < workers:
             job = ready.pop(0)
             pending.remove(job)
-            log = open(os.path.join(folder, job["name"] + ".log"), "w")
-            active.append((job, subprocess.Popen(job["cmd"], stdout=log, stderr=subprocess.STDOUT, env=env)))
+            with open(os.path.join(folder, job["name"] + ".log"), "w") as log:   # the child keeps its copy
+                active.append((job, subprocess.Popen(job["cmd"], stdout=log, stderr=subprocess.STDOUT, env=env)))
             print(f"started {job['name']}", flush=True)
         time.sleep(poll)
         for job, proc in list(active):
@@ -1289,13 +1289,19 @@ def run_jobs(jobs: list[dict], folder: str, workers: int = 2, poll: float = 1.0)
     return ran
 
 
+def script_job(name: str, args: list[str], folder: str, steps: int, needs: str | None = None,
+               extra=()) -> dict:
+    """A run_jobs job: `python gspo_minimal.py ARGS --steps STEPS --threads 1 --out FOLDER/NAME`."""
+    out = os.path.join(folder, name)
+    return {"name": name, "needs": needs, "done": os.path.join(out, "summary.json"),
+            "cmd": [sys.executable, "gspo_minimal.py", *args, "--steps", str(steps), "--threads", "1",
+                    "--out", out, *extra]}
+
+
 def run_all(runs, workers: int = 2, folder: str = FIG_RUNS) -> None:
     """Run the training jobs, `workers` at a time, one thread each (2 cores: no oversubscription).
     A run whose summary.json says it finished is kept and skipped, so an interrupted target resumes."""
-    run_jobs([{"name": name, "needs": None, "done": os.path.join(folder, name, "summary.json"),
-               "cmd": [sys.executable, "gspo_minimal.py", *args, "--steps", str(FIG_STEPS),
-                       "--threads", "1", "--out", os.path.join(folder, name)]}
-              for name, args in runs], folder, workers)
+    run_jobs([script_job(name, args, folder, FIG_STEPS) for name, args in runs], folder, workers)
 
 
 def reused_runs(runs, folder: str, result_json: str, key: str) -> tuple[list[str], float]:
@@ -1802,11 +1808,8 @@ def long_jobs() -> list[dict]:
                                                  warm_dir(seed), *LONG_EXTRA],
              "done": os.path.join(warm_dir(seed), "summary.json"), "needs": None} for seed in SEEDS]
     for name, args in long_runs():
-        seed = args[args.index("--seed") + 1]
-        jobs.append({"name": name, "needs": os.path.join(warm_dir(int(seed)), "summary.json"),
-                     "done": os.path.join(LONG_RUNS, name, "summary.json"),
-                     "cmd": [sys.executable, "gspo_minimal.py", *args, "--steps", str(LONG_STEPS),
-                             "--threads", "1", "--out", os.path.join(LONG_RUNS, name), *LONG_EXTRA]})
+        seed = int(args[args.index("--seed") + 1])
+        jobs.append(script_job(name, args, LONG_RUNS, LONG_STEPS, needs=jobs[seed]["done"], extra=LONG_EXTRA))
     return jobs
 
 
