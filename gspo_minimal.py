@@ -542,7 +542,7 @@ def _per_row(term: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
 
 def _token_sum(term: torch.Tensor, keep: torch.Tensor, num_tokens) -> torch.Tensor:
     """-(sum_{i,t} term_it) / num_tokens over kept positions (default: this batch's count)."""
-    n = keep.sum() if num_tokens is None else torch.as_tensor(num_tokens)
+    n = keep.sum() if num_tokens is None else torch.as_tensor(num_tokens, dtype=torch.float64)
     return -torch.where(keep, term, torch.zeros_like(term)).sum() / n.clamp(min=1).to(term.dtype)
 
 
@@ -551,7 +551,10 @@ def _token_sum(term: torch.Tensor, keep: torch.Tensor, num_tokens) -> torch.Tens
 #   dapo:    -(1/N) sum_i |y_i| l_i         or  -(1/N) sum_i sum_t l_it,   N = num_tokens
 #   dr_grpo: as dapo with N = B * max_tokens, a constant (arXiv 2503.20783)
 # With a sequence-level ratio, dapo (TRL's default loss_type) gives sequence i the weight |y_i| / mean|y|:
-# long responses count for more, the length bias GSPO's 1/|y| was meant to remove (tutorial section 13).
+# long responses count for more. Which weighting is right is disputed: GSPO weights every response
+# equally (its paper motivates the 1/|y| inside s by variance and a common numerical range of s), while
+# DAPO, Dr. GRPO and LUSPO weight by length. GSPO under dapo or dr_grpo is LUSPO up to a constant:
+# luspo_loss = mean|y| x gspo_loss(dapo) = max_tokens x gspo_loss(dr_grpo) (tutorial section 11).
 def aggregate(term, keep, aggregation: str = "paper", *, num_tokens=None, max_tokens=None):
     """term (B,) or (B, T), keep (B, T) bool -> the scalar loss (sign flipped). num_tokens: dapo's
     N (default: this batch's tokens); max_tokens: dr_grpo's (default: T, the mask's width)."""
@@ -663,6 +666,12 @@ def gmpo_loss(logp_new, logp_old, advantages, mask, *, eps: tuple[float, float] 
 SAPO_TAU = (1.0, 1.05)                  # (tau_pos, tau_neg), the paper's
 
 
+def _by_sign(positive, pair, like) -> torch.Tensor:
+    """pair[0] where `positive`, else pair[1], built in like's dtype (1.05 stays 1.05 in float64)."""
+    first, second = (torch.full_like(like, v) for v in pair)
+    return torch.where(positive, first, second)
+
+
 def _sapo_terms(delta, keep, advantages, tau, level: str):
     """SAPO's ratio, advantage and temperature, of one shape: (B, T) per token, (B,) per sequence."""
     if level == "sequence":
@@ -671,13 +680,14 @@ def _sapo_terms(delta, keep, advantages, tau, level: str):
         ratio, adv = torch.exp(delta), _per_token(advantages, delta)                 # (B, T)
     else:
         raise ValueError(f"level must be 'token' or 'sequence', got {level!r}")
-    return ratio, adv, torch.where(adv > 0, tau[0], tau[1]).to(ratio.dtype)
+    return ratio, adv, _by_sign(adv > 0, tau, ratio)
 
 
 def sapo_loss(logp_new, logp_old, advantages, mask, *, tau: tuple[float, float] = SAPO_TAU,
               level: str = "token") -> torch.Tensor:
     """SAPO, tau = (tau_pos, tau_neg); level "token" (the paper's) or "sequence" (the gate on GSPO's s,
-    TRL's importance_sampling_level="sequence")."""
+    TRL's importance_sampling_level="sequence"). tau is built in the inputs' dtype; TRL 1.16 builds it
+    in float32 (1.05 -> 1.0499999523), so in float64 the two differ by about 3e-8 relative."""
     delta, keep = _deltas(logp_new, logp_old, mask)
     ratio, adv, t = _sapo_terms(delta, keep, advantages, tau, level)
     gated = torch.sigmoid(t * (ratio - 1)) * 4 / t * adv
@@ -718,9 +728,7 @@ VESPO_K, VESPO_LAM = (2.0, 3.0), (3.0, 2.0)     # (for A >= 0, for A < 0), the p
 
 def _vespo_phi(log_w, advantages, k, lam) -> torch.Tensor:
     """phi(W) = exp(lam + k log W - lam W) per row (B,), k and lam by the sign of A; 0 where W overflows."""
-    pos = advantages >= 0
-    kk = torch.where(pos, k[0], k[1]).to(log_w.dtype)
-    ll = torch.where(pos, lam[0], lam[1]).to(log_w.dtype)
+    kk, ll = _by_sign(advantages >= 0, k, log_w), _by_sign(advantages >= 0, lam, log_w)
     return torch.exp(ll + kk * log_w - ll * torch.exp(log_w))
 
 

@@ -803,6 +803,42 @@ def test_luspo_on_equal_lengths_is_gspo_times_that_length(b, L):
     assert luspo.item() == pytest.approx(L * gspo.item(), rel=1e-12, abs=1e-15)
 
 
+@given(f64_batches, st.integers(1, 4), st.integers(0, 16))
+@with_corners(dtype=F64, extra=(4, 0))
+def test_luspo_is_gspo_under_the_token_weighted_aggregations(b, minibatches, extra_width):
+    """LUSPO = -(1/B) sum_i |y_i| l_i, and GSPO under dapo is -(1/N) sum_i |y_i| l_i, under dr_grpo
+    -(1/(B W)) sum_i |y_i| l_i: so luspo = (N/B) gspo(dapo) = W gspo(dr_grpo), in value and gradient.
+    N is what the training loop passes (the rollout's tokens / minibatches), so N/B is the rollout's
+    mean length; W is max_new_tokens (at least the mask's width)."""
+    N, W = max(b.mask.sum().item() / minibatches, 1.0), b.T + extra_width   # as if 1-4 minibatches
+    value, grad = grad_of(g.luspo_loss, b)
+    for scale, kw in ((N / b.B, dict(aggregation="dapo", num_tokens=N)),
+                      (W, dict(aggregation="dr_grpo", max_tokens=W))):
+        v, gr = grad_of(g.gspo_loss, b, **kw)
+        assert (scale * v).item() == pytest.approx(value.item(), rel=1e-10, abs=1e-14), kw
+        assert torch.allclose(scale * gr, grad, rtol=1e-9, atol=1e-14), kw
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+@given(batches(dtypes=(F64,), drifts=(1e-3, 0.1, 1.0)))
+@with_corners(dtype=F64)
+def test_sapo_in_float64_uses_its_temperatures_exactly(level, b):
+    """tau_neg = 1.05 is not a float32 number: built in float32 it would be 1.0499999523, and the
+    float64 loss would be off by about 3e-8 relative. A literal loop in Python floats agrees to 1e-12."""
+    lp_new, lp_old = b.logp("new"), b.logp("old")
+    got = g.sapo_loss(lp_new, lp_old, b.adv, b.mask, level=level)
+    f = lambda r, a: 1 / (1 + math.exp(-(1.0 if a > 0 else 1.05) * (r - 1))) * 4 / (1.0 if a > 0 else 1.05) * a
+    total = 0.0
+    for i in range(b.B):
+        d = [(lp_new[i, t] - lp_old[i, t]).item() for t in range(b.T) if b.mask[i, t]]
+        if not d:
+            continue
+        a = b.adv[i].item()
+        total += f(math.exp(sum(d) / len(d)), a) if level == "sequence" else \
+            sum(f(math.exp(x), a) for x in d) / len(d)
+    assert got.item() == pytest.approx(-total / b.B, rel=1e-12, abs=1e-15)
+
+
 @pytest.mark.parametrize("level", ["token", "sequence"])
 @given(batches(dtypes=(F64,), scales=(0.3, 1.0), drifts=(0.1, 0.5), min_len=1))
 def test_sapo_gate_width_goes_from_the_plain_ratio_gradient_to_nothing(level, b):

@@ -134,11 +134,16 @@ def wide_batch(seed, scale=1000.0):
     return old + (new - old) * scale, old, adv, mask
 
 
+# TRL builds SAPO's temperatures as a float32 tensor (1.05 -> 1.0499999523); ours are exact in the
+# inputs' dtype. The equality tests give ours TRL's rounded values; the departure has its own test.
+SAPO_TAU_F32 = tuple(torch.tensor(g.SAPO_TAU, dtype=torch.float32).tolist())
+
 # name: (our loss, its keywords, TRL trainer config, the log-ratio scale of the test batch)
 RELATIVE_CASES = {
     "gmpo": (g.gmpo_loss, {}, None, 1000.0),
-    "sapo": (g.sapo_loss, {}, dict(loss_type="sapo", importance_sampling_level="token"), 1000.0),
-    "sapo-seq": (g.sapo_loss, {"level": "sequence"},
+    "sapo": (g.sapo_loss, {"tau": SAPO_TAU_F32},
+             dict(loss_type="sapo", importance_sampling_level="token"), 1000.0),
+    "sapo-seq": (g.sapo_loss, {"level": "sequence", "tau": SAPO_TAU_F32},
                  dict(loss_type="sapo", importance_sampling_level="sequence"), 1000.0),
     "cispo": (g.cispo_loss, {"cap": 5.0},
               dict(loss_type="cispo", importance_sampling_level="token", epsilon_high=5.0), 3000.0),
@@ -171,6 +176,17 @@ def test_each_relative_equals_trl_in_value_and_gradient(tmp_path, name, minibatc
         v_ours, g_ours = ours(fn, *part, **kw, **extra)
         assert abs(v_trl.item() - v_ours.item()) <= 1e-10, name
         assert (g_trl - g_ours).abs().max().item() <= 1e-10, name
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_sapo_departure_trl_builds_its_temperatures_in_float32(tmp_path, level):
+    assert SAPO_TAU_F32[1] != 1.05 and abs(SAPO_TAU_F32[1] - 1.05) < 1e-7
+    trainer = make_trainer(tmp_path, loss_type="sapo", importance_sampling_level=level)
+    new, old, adv, mask = wide_batch(0, 1000.0)
+    v_trl, _ = trl_loss_and_grad(trainer, new, old, adv, mask)
+    v_ours, _ = ours(g.sapo_loss, new, old, adv, mask, level=level)          # exact 1.05 in float64
+    gap = abs(v_trl.item() - v_ours.item())
+    assert 1e-12 < gap <= 1e-6 * abs(v_ours.item())           # float32 round-off of tau, no more
 
 
 def test_gmpo_departure_trl_counts_an_empty_row_as_minus_its_advantage(tmp_path):
