@@ -38,12 +38,12 @@ $(STAMP_PRE): requirements.txt requirements-pretrained.txt
 train: $(STAMP)  ## the default run: warm-up, then GSPO, into runs/train
 	$(PY) gspo_minimal.py --seed $(SEED) --out runs/train
 
-test: $(STAMP)  ## the whole suite but the extras (marker `extra`), derandomized hypothesis profile `ci`
-	HYPOTHESIS_PROFILE=ci $(PY) -m pytest -q -m "not extra"
+test: $(STAMP)  ## the whole suite but the extras (marker `extra`) and the slower checks (marker `thorough`), derandomized hypothesis profile `ci`
+	HYPOTHESIS_PROFILE=ci $(PY) -m pytest -q -m "not extra and not thorough"
 
 check: test test-trl test-pretrained  ## what CI runs: the core suite, then each extra's suite in its own venv
 
-test-thorough: $(STAMP)  ## the same suite with many more hypothesis examples
+test-thorough: $(STAMP)  ## the same suite with the slower checks (marker `thorough`) and many more hypothesis examples
 	HYPOTHESIS_PROFILE=thorough $(PY) -m pytest -q -m "not extra"
 
 # GSPO_REQUIRE_EXTRAS=1: a test that skips because its extra is missing fails instead (conftest.py).

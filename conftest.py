@@ -1,9 +1,22 @@
-"""Hypothesis profiles and the one tiny training run that the behaviour tests share."""
+"""Hypothesis profiles and the fixtures several test files share: the one tiny training run, a tiny
+addwork run, an in-process BPE tokenizer with a tiny Llama for it, and the studies as they were
+before their split into studies/ (the golden tests compare the two)."""
+import functools
+import json
 import os
+import subprocess
+import sys
+import types
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")       # the suite never touches the network
 
+import pytest  # noqa: E402
+import torch  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
+
+import gspo_minimal as g  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
 
 # `ci`: derandomized, so a CI failure reproduces exactly; `thorough`: many more examples.
 settings.register_profile("ci", derandomize=True, max_examples=100, deadline=None,
@@ -16,6 +29,8 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 def pytest_configure(config):
     config.addinivalue_line("markers", "extra: needs an optional extra (trl, the pretrained model); "
                                        "make test deselects it")
+    config.addinivalue_line("markers", "thorough: slower checks (the longer golden tests of the studies); "
+                                       "make test deselects them, make test-thorough runs them")
 
 
 def pytest_sessionfinish(session, exitstatus):
@@ -29,3 +44,92 @@ def pytest_sessionfinish(session, exitstatus):
         reporter.write_line(f"GSPO_REQUIRE_EXTRAS=1: {len(skipped)} skipped test(s) count as failures "
                             f"(first: {skipped[0].longrepr})", red=True)
         session.exitstatus = 1
+
+
+# --- the tiny runs the behaviour tests and the studies' tests share --------------------------------
+# Small enough to run in seconds, large enough to exercise every stage (warm-up, RL, evaluation).
+TINY = ["--steps", "4", "--warmup-max-steps", "20", "--val-size", "40", "--test-size", "40",
+        "--prompts-per-step", "4", "--group-size", "4", "--minibatches", "2", "--eval-every", "2"]
+TINY_ADDWORK = ["--task", "addwork", "--steps", "2", "--warmup-max-steps", "5", "--warmup-batch", "8",
+                "--val-size", "16", "--test-size", "16", "--prompts-per-step", "2", "--group-size", "4",
+                "--minibatches", "2", "--eval-every", "1", "--aggregation", "dapo"]
+
+
+@pytest.fixture(scope="session")
+def tiny_run(tmp_path_factory):
+    """(run folder, its summary.json) of `gspo_minimal.py TINY --seed 0`, trained once per session."""
+    out = str(tmp_path_factory.mktemp("runs") / "tiny")
+    assert g.main(TINY + ["--out", out, "--seed", "0"]) == 0
+    with open(os.path.join(out, "summary.json")) as f:
+        return out, json.load(f)
+
+
+@pytest.fixture(scope="session")
+def tiny_addwork_run(tmp_path_factory):
+    """(run folder, its summary.json) of a 2-step `--task addwork` run, trained once per session."""
+    out = str(tmp_path_factory.mktemp("runs") / "addwork")
+    assert g.main(TINY_ADDWORK + ["--out", out]) == 0
+    with open(os.path.join(out, "summary.json")) as f:
+        return out, json.load(f)
+
+
+# --- a byte-level BPE tokenizer with a chat template, built in-process: what real models use ---
+CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+                 "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+@pytest.fixture(scope="session")
+def bpe_tokenizer():
+    """Byte-level BPE trained on arithmetic text: numbers of several digits split over several
+    tokens, leading spaces, an EOS (<|im_end|>) that is not one of our characters, pad == eos."""
+    import random
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+    rng = random.Random(0)
+    corpus = [f"{a}+{b}={a + b}, the sum of {a} and {b} is {a + b}."
+              for a, b in ((rng.randrange(100), rng.randrange(100)) for _ in range(2000))]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(corpus, trainers.BpeTrainer(
+        vocab_size=160, special_tokens=["<|im_end|>", "<|im_start|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>",
+                                   pad_token="<|im_end|>", padding_side="left")
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def tiny_llama_for(tok):
+    """A 2-layer Llama with `tok`'s vocabulary, the same weights every call (seed 0)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(
+        vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=128,
+        pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=None))
+
+
+# --- the studies before their split, for the golden tests ---------------------------------------
+# experiments.py and trl_compare.py held every study until this commit; studies/ is their split.
+PRE_SPLIT = "7b27243926a36ed05c26f3124b520c731cd567ed"
+
+
+@functools.cache
+def pre_split(name: str) -> types.ModuleType:
+    """`name`.py ("experiments" or "trl_compare") as it was at PRE_SPLIT, read with `git show` and
+    loaded as a module of its own. A clone without that commit (a shallow one) fails here."""
+    try:
+        res = subprocess.run(["git", "-C", HERE, "show", f"{PRE_SPLIT}:{name}.py"], capture_output=True,
+                             text=True, timeout=60)
+        source = res.stdout if res.returncode == 0 else None
+    except (OSError, subprocess.SubprocessError):
+        source = None
+    if not source:
+        pytest.fail(f"commit {PRE_SPLIT[:12]} ({name}.py before the split) is not in this clone: fetch "
+                    f"the history (git fetch --unshallow) to run the golden tests", pytrace=False)
+    module = types.ModuleType(f"pre_split_{name}")
+    module.__file__ = os.path.join(HERE, f"{name}.py")          # as it was: a top-level script
+    sys.modules[module.__name__] = module
+    exec(compile(source, f"{PRE_SPLIT[:7]}:{name}.py", "exec"), module.__dict__)
+    return module

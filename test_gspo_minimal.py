@@ -16,24 +16,14 @@ import pytest
 import torch
 
 import gspo_minimal as g
+from conftest import TINY, tiny_llama_for  # the shared tiny run's flags; fixtures tiny_run, bpe_tokenizer
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-# Small enough to run in seconds, large enough to exercise every stage (warm-up, RL, evaluation).
-TINY = ["--steps", "4", "--warmup-max-steps", "20", "--val-size", "40", "--test-size", "40",
-        "--prompts-per-step", "4", "--group-size", "4", "--minibatches", "2", "--eval-every", "2"]
 
 
 def run_main(argv, capsys=None):
     code = g.main(argv)
     return code, (capsys.readouterr() if capsys else None)
-
-
-@pytest.fixture(scope="session")
-def tiny_run(tmp_path_factory):
-    out = str(tmp_path_factory.mktemp("runs") / "tiny")
-    assert g.main(TINY + ["--out", out, "--seed", "0"]) == 0
-    with open(os.path.join(out, "summary.json")) as f:
-        return out, json.load(f)
 
 
 # --- the run and what it writes -------------------------------------------------------------
@@ -432,15 +422,8 @@ def test_task_defaults_apply_only_where_no_flag_was_given(tmp_path):
     assert cfg.max_new_tokens == 6 and cfg.shuffle_rewards and cfg.steps == 60   # given = given
 
 
-def test_addwork_end_to_end_warm_up_rl_and_the_long_answers_it_samples(tmp_path):
-    out = str(tmp_path / "addwork")
-    argv = ["--task", "addwork", "--steps", "2", "--warmup-max-steps", "5", "--warmup-batch", "8",
-            "--val-size", "16",
-            "--test-size", "16", "--prompts-per-step", "2", "--group-size", "4", "--minibatches", "2",
-            "--eval-every", "1", "--aggregation", "dapo", "--out", out]
-    assert g.main(argv) == 0
-    with open(os.path.join(out, "summary.json")) as f:
-        summary = json.load(f)
+def test_addwork_end_to_end_warm_up_rl_and_the_long_answers_it_samples(tiny_addwork_run):
+    out, summary = tiny_addwork_run          # conftest.TINY_ADDWORK: 2 steps, --aggregation dapo
     assert summary["config"]["max_new_tokens"] == 64 and summary["config"]["aggregation"] == "dapo"
     rl = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
     rl = [r for r in rl if r["stage"] == "rl"]
@@ -639,42 +622,7 @@ def test_result_files_carry_where_they_came_from(tmp_path, tiny_run, capsys):
     assert stats["val_acc"]["steps"] == 2 and "clip_ceiling" in stats
 
 
-# --- a byte-level BPE tokenizer with a chat template, built in-process: what real models use ---
-CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-                 "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-
-
-@pytest.fixture(scope="module")
-def bpe_tokenizer():
-    """Byte-level BPE trained on arithmetic text: numbers of several digits split over several
-    tokens, leading spaces, an EOS (<|im_end|>) that is not one of our characters, pad == eos."""
-    import random
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-    rng = random.Random(0)
-    corpus = [f"{a}+{b}={a + b}, the sum of {a} and {b} is {a + b}."
-              for a, b in ((rng.randrange(100), rng.randrange(100)) for _ in range(2000))]
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(corpus, trainers.BpeTrainer(
-        vocab_size=160, special_tokens=["<|im_end|>", "<|im_start|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>",
-                                   pad_token="<|im_end|>", padding_side="left")
-    fast.chat_template = CHAT_TEMPLATE
-    return fast
-
-
-def tiny_llama_for(tok):
-    from transformers import LlamaConfig, LlamaForCausalLM
-    torch.manual_seed(0)
-    return LlamaForCausalLM(LlamaConfig(
-        vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=128,
-        pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=None))
-
-
+# --- a byte-level BPE tokenizer with a chat template (conftest.bpe_tokenizer): what real models use
 def test_bpe_numbers_split_into_several_tokens_and_the_reward_still_reads_them(bpe_tokenizer):
     tok = bpe_tokenizer
     eos = tok.eos_token_id
@@ -741,6 +689,7 @@ def test_a_bpe_model_with_a_chat_template_trains_from_the_command_line(bpe_token
     assert bool(saved.chat_template) == chat               # the run saves what it used
 
 
+@pytest.mark.thorough          # 5 s: a tiny training run; device_against_cpu has a golden test in make test
 def test_gpu_check_runs_its_checks_on_the_cpu_and_reports_them(tmp_path, monkeypatch, capsys):
     import experiments as e
     monkeypatch.setattr(e, "GPU_CHECK_DIR", str(tmp_path))
@@ -886,8 +835,9 @@ def test_figures_long_runs_exactly_the_spec_list_each_from_its_seeds_warm_up():
               ("grpo", "paper", 4, False): 3, ("gspo", "dapo", 4, False): 3, ("grpo", "dapo", 4, False): 3,
               ("gspo", "paper", 8, False): 3, ("grpo", "paper", 8, False): 3, ("gspo", "paper", 4, True): 3}
     seen = {}
+    parser = g.build_parser()                                           # built once: it reads the source
     for name, args in runs.items():
-        cfg = g.Config(**vars(g.build_parser().parse_args(args)))      # the warm-ups do not exist yet
+        cfg = g.Config(**vars(parser.parse_args(args)))                 # the warm-ups do not exist yet
         key = (cfg.loss, cfg.aggregation, cfg.minibatches, cfg.shuffle_rewards)
         seen[key] = seen.get(key, 0) + 1
         assert cfg.task == "addwork" and cfg.warmup_max_steps == 0
