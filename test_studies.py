@@ -1,7 +1,23 @@
 """Tests of the studies, of the committed JSONs and docs, and of the Makefile's environments."""
+import copy
+import dataclasses
+import functools
+import importlib
+import json
+import math
 import os
+import random
 import re
+import shutil
 import subprocess
+import sys
+
+import pytest
+import torch
+
+import gspo_minimal as g
+from conftest import pre_split, tiny_llama_for
+from studies import common, gpu_check, long, metrics, pretrained, verify
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 EXTRAS = ("requirements-trl.txt", "requirements-pretrained.txt")
@@ -69,28 +85,296 @@ def test_every_extra_pins_what_it_adds():
         assert all("==" in r for r in reqs[1:]), f"{name}: unpinned {reqs}"
 
 
+# --- the studies' measurement helpers -------------------------------------------------------------
+def test_variance_profile_of_independent_stationary_tokens_falls_as_one_over_length():
+    delta = torch.randn(4000, 64, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    prof = common.variance_profile(delta, [1, 2, 4, 8, 16, 32, 64], n_boot=200)
+    lo, hi = prof["slope_ci95"]
+    assert lo <= prof["slope"] <= hi and lo < -1 < hi
+    assert prof["uncorrelated"][0] == pytest.approx(prof["var"][0], rel=1e-12)   # equal at L = 1
+    for v, (a, b) in zip(prof["var"], prof["var_ci95"]):
+        assert a <= v <= b
+    assert max(abs(r) for r in prof["autocorrelation_centred"]) < 0.05
+
+
+def test_variance_profile_separates_correlation_from_non_stationarity():
+    gen = torch.Generator().manual_seed(1)
+    L = [1, 4, 16, 64]
+    # uncorrelated, but the variance grows along the response: the reference tracks the measurement
+    scale = torch.linspace(0.2, 2.0, 64, dtype=torch.float64)
+    grow = common.variance_profile(torch.randn(4000, 64, generator=gen, dtype=torch.float64) * scale, L,
+                              n_boot=100)
+    assert grow["slope_uncorrelated"] > -0.9
+    for v, u in zip(grow["var"], grow["uncorrelated"]):
+        assert v == pytest.approx(u, rel=0.15)
+    # a shift shared by every token of a response (correlation 0.2): the measurement levels off
+    shared = torch.randn(4000, 1, generator=gen, dtype=torch.float64) * 0.2 ** 0.5
+    corr = common.variance_profile(torch.randn(4000, 64, generator=gen, dtype=torch.float64) * 0.8 ** 0.5
+                              + shared, L, n_boot=100)
+    assert corr["var"][-1] > 5 * corr["uncorrelated"][-1]
+    assert corr["var"][-1] == pytest.approx(0.2 + 0.8 / 64, rel=0.15)
+    assert corr["autocorrelation_centred"][0] == pytest.approx(0.2, abs=0.05)
+
+
+def test_branches_from_one_run_state_start_from_the_same_weights_optimiser_and_prompts():
+    import random
+    torch.manual_seed(0)
+    tok = g.build_char_tokenizer()
+    model = g.build_tiny_model(tok)
+    cfg = g.Config(prompts_per_step=4, group_size=4, minibatches=2, steps=50)
+    state = verify.run_state(model, tok, cfg, 2, random.Random(0))
+    assert state["lr"] == pytest.approx(cfg.lr * (1 - 2 / 50))
+    a = verify.branch(state, model, tok, cfg, 2)
+    b = verify.branch(state, model, tok, cfg, 2)
+    assert a == b                                     # a branch is a pure function of the state
+    grpo = verify.branch(state, model, tok, dataclasses.replace(cfg, loss="grpo"), 1)
+    assert grpo[0]["clip_ceiling"] == a[0]["clip_ceiling"]   # same rollout, same minibatch split
+    assert grpo[0]["lr"] == a[0]["lr"] == pytest.approx(state["lr"])
+    quarter = verify.branch(state, model, tok, cfg, 1, lr_scale=0.25)
+    assert quarter[0]["lr"] == pytest.approx(state["lr"] / 4)
+    with common.minibatch_ratios() as seen:
+        verify.branch(state, model, tok, cfg, 1)
+    assert len(seen) == cfg.minibatches and torch.equal(seen[0]["s"], torch.ones_like(seen[0]["s"]))
+    assert g.ratio_metrics.__name__ == "ratio_metrics"       # restored after the block
+
+
+def test_result_files_carry_where_they_came_from(tmp_path, tiny_run, capsys):
+    common.write_json(str(tmp_path / "r.json"), {"x": 1}, "python studies/verify.py", 1.5)
+    with open(tmp_path / "r.json") as f:
+        r = json.load(f)
+    assert r["x"] == 1 and r["command"] == "python studies/verify.py" and r["seconds"] == 1.5
+    assert {"measured_at_commit", "versions", "threads"} <= set(r)
+    stats = metrics.metric_stats(tiny_run[0])
+    assert stats["s_min"]["min"] <= stats["s_mean"]["median"] <= stats["s_max"]["max"]
+    assert stats["val_acc"]["steps"] == 2 and "clip_ceiling" in stats
+
+
+@pytest.mark.thorough          # 5 s: a tiny training run; device_against_cpu has a golden test in make test
+def test_gpu_check_runs_its_checks_on_the_cpu_and_reports_them(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(gpu_check, "GPU_CHECK_DIR", str(tmp_path))
+    monkeypatch.setattr(gpu_check, "smollm_gguf", lambda: None)          # the real model: make test-pretrained
+    res = gpu_check.gpu_check("cpu", steps=2, tiny=True)
+    checks = res["checks"]
+    assert "error" not in json.dumps(checks)
+    assert checks["make_train_run"]["exit_code"] == 0 and checks["make_train_run"]["rl_steps"] == 2
+    vs_cpu = checks["identities_and_losses_vs_cpu_float64"]
+    assert vs_cpu["token_logprobs_max_abs_err"] < 1e-4 and vs_cpu["form_gap_max"] < 1e-5
+    for loss in g.LOSS_FNS:
+        assert vs_cpu[f"{loss}_grad_max_abs_err"] < 1e-5
+    assert "skipped" in checks["gguf_model"]
+    with open(tmp_path / "gpu_check.json") as f:
+        assert json.load(f)["command"].startswith("python studies/gpu_check.py --device cpu")
+    if not torch.cuda.is_available():
+        assert gpu_check.gpu_check("cuda")["skipped"] == "no CUDA device"
+
+
+# --- make pretrained's helpers, on the in-process BPE model ------------------------------------
+def test_word_problems_are_fixed_by_the_seed_and_their_answers_are_right():
+    import re
+    first = [pretrained.word_problem(random.Random(0)) for _ in range(3)]
+    assert first == [pretrained.word_problem(random.Random(0)) for _ in range(3)]
+    for question, answer in (pretrained.word_problem(random.Random(i)) for i in range(50)):
+        a, b = map(int, re.findall(r"\d+", question)[:2])
+        assert answer == str(a + b if "buys" in question else a - b)
+        assert question.endswith("Explain your reasoning step by step, then give the answer.")
+
+
+def test_binned_variance_recovers_a_known_slope():
+    gen = torch.Generator().manual_seed(0)
+    lengths = torch.tensor([16, 32, 64, 128]).repeat_interleave(1000)[torch.randperm(4000, generator=gen)]
+    log_s = torch.randn(4000, generator=gen, dtype=torch.float64) / lengths.double().sqrt()   # Var = 1/L
+    r = common.binned_variance(log_s, lengths, 4, n_boot=300)
+    assert r["answers"] == [1000] * 4 and r["median_length"] == [16, 32, 64, 128]
+    assert r["slope_ci95"][0] < -1 < r["slope_ci95"][1] and abs(r["slope"] + 1) < 0.1
+
+
+def test_clip_counts_use_the_scripts_units_and_count_grpo_sequences_by_any_token():
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]], dtype=torch.bool)
+    old = torch.zeros(2, 4)
+    new = torch.tensor([[0.0, 0.5, 0.0, float("nan")], [0.0, 0.0, 0.0, 0.0]])  # NaN is padding
+    adv = torch.tensor([1.0, -1.0])
+    on_policy = {"s": torch.ones(2), "logp_new": old, "logp_old": old, "adv": adv, "mask": mask}
+    off = {"s": g.importance_ratio(new, old, mask), "logp_new": new, "logp_old": old, "adv": adv,
+           "mask": mask}
+    grpo = pretrained.clip_counts([on_policy, off], "grpo", (0.2, 0.27))
+    assert grpo == {"clip_tokens": 1 / 14, "clip_seqs": 1 / 4, "tokens": 14, "sequences": 4}
+    gspo = pretrained.clip_counts([on_policy, off], "gspo", (3e-4, 4e-4))    # s_1 = exp(0.5/3) > 1 + 4e-4
+    assert gspo["clip_tokens"] == 3 / 14 and gspo["clip_seqs"] == 1 / 4
+
+
+def test_paired_bootstrap_of_a_constant_gain_is_that_gain():
+    assert pretrained.paired_bootstrap([0.0, 1.0, 0.0, 0.0], [1.0, 1.0, 0.0, 0.0], 2000)[1] <= 0.75
+    lo, hi = pretrained.paired_bootstrap([0.0] * 10, [1.0] * 10, 500)
+    assert lo == hi == 1.0
+
+
+def test_the_pretrained_measurement_runs_end_to_end_on_a_tiny_bpe_model(bpe_tokenizer, monkeypatch):
+    monkeypatch.setitem(pretrained.PRE, "word_prompts", 8)
+    monkeypatch.setitem(pretrained.PRE, "clip_prompts", 4)
+    monkeypatch.setitem(pretrained.PRE, "group_size", 2)
+    monkeypatch.setitem(pretrained.PRE, "max_new_tokens", 80)
+    monkeypatch.setitem(pretrained.PRE, "float64_sequences", 4)
+    monkeypatch.setitem(pretrained.PRE, "bootstrap_resamples", 50)
+    monkeypatch.setitem(pretrained.PRE, "lr", 1e-3)                   # a random model: move it visibly
+    monkeypatch.setitem(pretrained.PRE, "clip_lrs", [1e-3])
+    monkeypatch.setattr(g, "sample_completions", functools.partial(
+        g.sample_completions, suppress_eos=True))          # a random model never stops: make 80
+    monkeypatch.setattr(g, "reward", lambda row, answer, tok, task: float(sum(row) % 2))
+    tok = bpe_tokenizer
+    r = pretrained.measure_pretrained_update(tiny_llama_for(tok), tok)
+    assert r["rollout_answers"] == 16 and r["response_tokens_median"] == 80
+    assert r["equivalence_max_rel_err_float64"] < 1e-12 < r["token_logratio_std"]
+    assert r["variance_prefix_64"]["lengths"] == [1, 2, 4, 8, 16, 32, 64]
+    assert [(b["loss"], b["lr"]) for b in r["clip_branches"]] == [("gspo", 1e-3), ("grpo", 1e-3)]
+    for b in r["clip_branches"]:                             # the script's own count, recomputed
+        assert b["clip_tokens"] == pytest.approx(b["script_clip_tokens"]) and b["clip_tokens"] <= b["clip_ceiling"]
+    assert r["clip_branches"][0]["clip_tokens"] > 0 and r["variance_by_natural_length"] is None
+
+
+def test_answer_forms_counts_openings_with_numbers_written_n(bpe_tokenizer):
+    tok = bpe_tokenizer
+    r = pretrained.answer_forms(tiny_llama_for(tok).eval(), tok, [(7, 45), (3, 4), (10, 20)], 6)
+    assert r["answers"] == 3 and sum(n for _, n in r["openings"]) == 3 and len(r["first_answers"]) == 3
+    assert all("0" not in f and "7" not in f for f, _ in r["openings"])      # digits became N
+    assert 0 <= r["stopped"] <= 3 and 1 <= r["mean_tokens"] <= 6
+
+
+# --- make figures-long ---------------------------------------------------------------------------
+def test_run_jobs_waits_for_what_a_job_needs_skips_finished_jobs_and_dependents_of_failures(tmp_path, capsys):
+    mark = lambda name: str(tmp_path / name)
+    touch = lambda name, code=0: [sys.executable, "-c", f"open({mark(name)!r}, 'w').write('{{}}'); raise SystemExit({code})"]
+    with open(mark("done_before"), "w") as f:
+        f.write("{}")
+    jobs = [{"name": "a", "cmd": touch("a"), "done": mark("a"), "needs": None},
+            {"name": "b", "cmd": touch("b"), "done": mark("b"), "needs": mark("a")},
+            {"name": "bad", "cmd": touch("bad", 1), "done": mark("bad_done"), "needs": None},
+            {"name": "after_bad", "cmd": touch("after_bad"), "done": mark("after_bad"), "needs": mark("bad_done")},
+            {"name": "kept", "cmd": touch("never"), "done": mark("done_before"), "needs": None}]
+    with pytest.raises(RuntimeError, match="2 jobs failed or were skipped"):
+        common.run_jobs(jobs, str(tmp_path / "logs"), poll=0.05)
+    out = capsys.readouterr().out
+    assert os.path.exists(mark("a")) and os.path.exists(mark("b")) and os.path.exists(mark("bad"))
+    assert not os.path.exists(mark("after_bad")) and "skipped after_bad" in out
+    assert not os.path.exists(mark("never")) and "started kept" not in out          # resumed: skipped
+
+
+def test_figures_long_runs_exactly_the_spec_list_each_from_its_seeds_warm_up():
+    runs = dict(long.long_runs())
+    assert len(runs) == 24
+    expect = {("gspo", "paper", 4, False): 3, ("gspo-token", "paper", 4, False): 3,
+              ("grpo", "paper", 4, False): 3, ("gspo", "dapo", 4, False): 3, ("grpo", "dapo", 4, False): 3,
+              ("gspo", "paper", 8, False): 3, ("grpo", "paper", 8, False): 3, ("gspo", "paper", 4, True): 3}
+    seen = {}
+    parser = g.build_parser()                                           # built once: it reads the source
+    for name, args in runs.items():
+        cfg = g.Config(**vars(parser.parse_args(args)))                 # the warm-ups do not exist yet
+        key = (cfg.loss, cfg.aggregation, cfg.minibatches, cfg.shuffle_rewards)
+        seen[key] = seen.get(key, 0) + 1
+        assert cfg.task == "addwork" and cfg.warmup_max_steps == 0
+        assert cfg.model == os.path.join(long.warm_dir(cfg.seed), "checkpoint")
+    assert seen == expect
+    jobs = {j["name"]: j for j in long.long_jobs()}
+    assert len(jobs) == 27 and all(jobs[f"warmup_s{s}"]["needs"] is None for s in (0, 1, 2))
+    for name, args in runs.items():
+        cmd, seed = jobs[name]["cmd"], name.rsplit("_s", 1)[1]
+        assert jobs[name]["needs"] == jobs[f"warmup_s{seed}"]["done"]
+        assert cmd[cmd.index("--steps") + 1] == str(long.LONG_STEPS) and cmd[cmd.index("--threads") + 1] == "1"
+        assert cmd[cmd.index("--out") + 1] == os.path.join(long.LONG_RUNS, name)
+
+
+def test_an_interrupted_run_is_not_a_finished_one(tmp_path):
+    path = tmp_path / "summary.json"
+    assert not common.finished(str(path))
+    path.write_text(json.dumps({"interrupted": True}))
+    assert not common.finished(str(path))
+    path.write_text(json.dumps({"interrupted": False}))
+    assert common.finished(str(path))
+
+
+# --- the studies as scripts: one file per study, each run as `python studies/NAME.py` ----------------
+STUDIES = ("common", "verify", "metrics", "figures", "family", "long", "pretrained", "gpu_check", "speed",
+           "trl_compare")
+ROOT_ON_PATH = "sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))"
+
+
+def test_the_studies_live_in_studies_and_no_other_python_file_sits_at_the_top():
+    top = [f for f in os.listdir(HERE) if f.endswith(".py")]
+    assert sorted(f for f in top if f not in ("gspo_minimal.py", "conftest.py") and not f.startswith("test_")) == []
+    present = {f[:-3] for f in os.listdir(os.path.join(HERE, "studies")) if f.endswith(".py")}
+    assert set(STUDIES) <= present
+    assert "trl" not in present                  # studies/trl.py would shadow the trl package
+
+
+def test_every_study_opens_with_what_it_measures_and_how_to_run_it_and_runs_from_anywhere():
+    import ast
+    for name in STUDIES:
+        with open(os.path.join(HERE, "studies", f"{name}.py")) as f:
+            source = f.read()
+        doc = ast.get_docstring(ast.parse(source))
+        assert doc and len(doc.splitlines()) >= 5, f"studies/{name}.py: no docstring worth the name"
+        assert name == "common" or f"python studies/{name}.py" in doc, f"studies/{name}.py: how to run it"
+        assert "experiments.py" not in source, f"studies/{name}.py names the file it was split from"
+        # run as a script, the file's folder is on sys.path, not the repository root: put it there
+        # before anything imports gspo_minimal or studies.common
+        first = min(source.find(s) for s in ("import gspo_minimal", "from studies") if s in source)
+        assert ROOT_ON_PATH in source and source.index(ROOT_ON_PATH) < first, name
+
+
+def test_each_subcommand_and_child_process_reaches_its_function(monkeypatch, capsys, tiny_run):
+    from studies import family, figures, speed
+    calls = []
+    monkeypatch.setattr(speed, "logprobs_variant", lambda name, dtype: {"variant": name, "dtype": dtype})
+    assert speed.main(["_logprobs", "ours", "bfloat16"]) == 0          # the child of `speed.py logprobs`
+    assert json.loads(capsys.readouterr().out.splitlines()[-1]) == {"variant": "ours", "dtype": "bfloat16"}
+    monkeypatch.setattr(long, "long_warmup", lambda *args: calls.append(("_warmup", *args)))
+    assert long.main(["_warmup", "2", "runs/long/warmup_s2", "--val-size", "8"]) == 0   # figures-long's child
+    assert calls.pop() == ("_warmup", 2, "runs/long/warmup_s2", ["--val-size", "8"])
+    monkeypatch.setattr(gpu_check, "gpu_check", lambda device: calls.append(("gpu_check", device)))
+    assert gpu_check.main(["--device", "cpu"]) == 0 and calls.pop() == ("gpu_check", "cpu")
+    assert gpu_check.main([]) == 0 and calls.pop() == ("gpu_check", "cuda")
+    for module, fn, argv in ((speed, "measure_logprobs", ["logprobs"]), (speed, "bench_sampler", ["sampler"]),
+                             (verify, "verify", []), (figures, "figures", []), (family, "figures_family", []),
+                             (long, "figures_long", []), (pretrained, "pretrained", [])):
+        monkeypatch.setattr(module, fn, lambda fn=fn: calls.append(fn))
+        assert module.main(argv) == 0 and calls.pop() == fn
+    assert metrics.main([tiny_run[0]]) == 0
+    assert f"{tiny_run[0]}/metrics.jsonl, 4 RL steps" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        speed.main(["nothing"])                   # argparse: one usage line, exit 2
+
+
+@pytest.mark.thorough
+def test_every_study_runs_as_a_script_from_another_folder(tmp_path, tiny_run):
+    def run(*args):
+        return subprocess.run([sys.executable, os.path.join(HERE, "studies", args[0]), *args[1:]],
+                              cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                              env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    for name in STUDIES:
+        if name not in ("common", "trl_compare"):
+            res = run(f"{name}.py", "--help")
+            assert res.returncode == 0 and res.stdout.startswith("usage:"), (name, res.stderr[-2000:])
+    res = run("trl_compare.py")
+    assert res.returncode == 2 and "usage: python studies/trl_compare.py {trl,bench}" in res.stderr
+    res = run("metrics.py", tiny_run[0])
+    assert res.returncode == 0 and "4 RL steps" in res.stdout, res.stderr[-2000:]
+    out = str(tmp_path / "warmup_s0")             # the child process make figures-long starts
+    res = run("long.py", "_warmup", "0", out, "--warmup-max-steps", "2", "--warmup-batch", "8",
+              "--val-size", "8", "--test-size", "8")
+    assert res.returncode == 0, res.stderr[-2000:]
+    with open(os.path.join(out, "summary.json")) as f:
+        summary = json.load(f)
+    assert summary["warmup_steps"] == 2 and summary["command"].startswith("python studies/long.py _warmup 0")
+
+
 # --- golden tests: the studies before their split and now, on the same inputs --------------------
 # experiments.py and trl_compare.py as they were at conftest.PRE_SPLIT are loaded from git
 # (conftest.pre_split) and every function that turns runs into the numbers of the committed JSONs
 # runs in both, on the same run folders, models and seeds: the results must be equal, float for
 # float. A dict's `command` is left out of the comparison: it names the script's path, which the
 # split changed (`python experiments.py figures` became `python studies/figures.py`).
-import copy  # noqa: E402
-import dataclasses  # noqa: E402
-import importlib  # noqa: E402
-import json  # noqa: E402
-import math  # noqa: E402
-import random  # noqa: E402
-import shutil  # noqa: E402
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
-import gspo_minimal as g  # noqa: E402
-from conftest import pre_split, tiny_llama_for  # noqa: E402
-
 # the modules that hold the studies now; a name is looked up in the first that has it
-NOW = ("experiments", "trl_compare")
+NOW = tuple(f"studies.{name}" for name in ("common", "verify", "metrics", "speed", "gpu_check", "pretrained",
+                                           "figures", "family", "long", "trl_compare"))
 
 
 def now_modules() -> list:
@@ -491,3 +775,47 @@ def test_golden_token_logprobs_variants_on_a_small_shape(monkeypatch):
         for dtype in ("float32", "bfloat16"):
             assert_same(old("logprobs_variant")(name, dtype), now("logprobs_variant")(name, dtype),
                         f"logprobs_variant {name} {dtype}", clock=("extra_mib", "seconds"))
+
+
+# --- the committed JSONs: the keys each target promises, and numbers that agree with their runs ------
+def test_the_committed_pretrained_results_hold_the_spec_keys_and_agree_with_their_runs():
+    with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "figures", "pretrained.json")) as f:
+        r = json.load(f)
+    for key in ("model", "model_sha256", "pretrained_seconds", "response_tokens_median",
+                "equivalence_max_rel_err_float32", "equivalence_max_rel_err_float64",
+                "variance_slope_log_s", "variance_slope_log_s_ci95", "clip_tokens_gspo",
+                "clip_seqs_gspo", "clip_tokens_grpo", "clip_seqs_grpo", "clip_lr", "heldout_prompts",
+                "reward_before_rl", "reward_after_rl", "reward_after_rl_shuffled", "reward_gain_ci95",
+                "rl_steps", "sampling_tokens_per_second_ours", "sampling_tokens_per_second_generate",
+                "peak_rss_mb", "token_logprobs", "settings", "runs", "measured_at_commit"):
+        assert key in r, key
+    assert r["heldout_prompts"] >= 128 and r["heldout_before_equals_run"] and r["heldout_after_equals_run"]
+    assert r["model_sha256"].startswith("b179c952") and "dirty" not in r
+    lo, hi = r["reward_gain_ci95"]
+    assert lo <= r["reward_after_rl"] - r["reward_before_rl"] <= hi
+    assert {run["name"]: run["accuracy_after_rl"] for run in r["runs"]} == {
+        "gspo": r["reward_after_rl"], "shuffled": r["reward_after_rl_shuffled"]}
+    assert r["settings"]["train"][r["settings"]["train"].index("--task") + 1] == "add2-chat"
+
+
+def test_the_committed_long_results_hold_the_spec_keys_and_agree_with_their_runs():
+    with open(os.path.join(HERE, "figures", "long.json")) as f:
+        r = json.load(f)
+    for key in ("task", "response_tokens_median", "response_tokens_p10", "response_tokens_p90",
+                "figures_long_seconds", "runs", "variance_slope_log_s_natural", "command", "seconds",
+                "measured_at_commit", "versions", "threads"):
+        assert key in r, key
+    assert r["task"] == "addwork" and "dirty" not in r and len(r["runs"]) == 24
+    assert r["response_tokens_median"] >= 24 and r["response_tokens_p90"] / r["response_tokens_p10"] >= 2
+    for run in r["runs"]:
+        for key in ("loss", "aggregation", "minibatches", "shuffle_rewards", "seed", "accuracy_before_rl",
+                    "accuracy_after_rl", "mean_response_tokens_first_10_steps",
+                    "mean_response_tokens_last_10_steps", "clip_tokens", "clip_seqs", "wall_seconds"):
+            assert key in run, key
+    for seed in (0, 1, 2):                    # every run of a seed starts from its one warm-up
+        assert len({run["accuracy_before_rl"] for run in r["runs"] if run["seed"] == seed}) == 1
+    import statistics
+    for group, s in r["by_group"].items():
+        rs = [run for run in r["runs"] if run["group"] == group]
+        assert s["median_after"] == statistics.median(run["accuracy_after_rl"] for run in rs)
+        assert s["gains"] == [run["accuracy_after_rl"] - run["accuracy_before_rl"] for run in rs]

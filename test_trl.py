@@ -240,13 +240,13 @@ def test_off_policy_mask_equals_trl_and_masks_the_loss_as_trl_does(tmp_path, del
     assert (g_trl - g_ours).abs().max().item() <= 1e-10
 
 
-# --- trl_compare.py: the TRL run (make trl) ---------------------------------------------------------
+# --- studies/trl_compare.py: the TRL run (make trl) -------------------------------------------------
 TINY = ["--steps", "3", "--warmup-max-steps", "20", "--val-size", "40", "--test-size", "40",
         "--prompts-per-step", "4", "--group-size", "4", "--minibatches", "2", "--eval-every", "2"]
 
 
 def test_grpo_config_is_gspo_with_our_batch_and_optimiser(tmp_path):
-    import trl_compare as tc
+    from studies import trl_compare as tc
     args = tc.grpo_config(g.Config(), rollouts=3, out=str(tmp_path), device=torch.device("cpu"))
     assert (args.importance_sampling_level, args.loss_type, args.beta) == ("sequence", "grpo", 0.0)
     assert (args.epsilon, args.epsilon_high) == (3e-4, 4e-4)
@@ -260,9 +260,20 @@ def test_grpo_config_is_gspo_with_our_batch_and_optimiser(tmp_path):
     assert (grpo.importance_sampling_level, grpo.epsilon, grpo.epsilon_high) == ("token", 0.2, 0.27)
 
 
+def test_golden_grpo_config_is_the_one_trl_compare_built_before_the_split(tmp_path):
+    """trl_compare.py as it was before its move to studies/ (conftest.pre_split, read from git)
+    and now build the same GRPOConfig from the same Config, field for field."""
+    from conftest import pre_split
+    from studies import trl_compare as tc
+    for cfg in (g.Config(), g.Config(loss="grpo"), g.Config(aggregation="dapo", minibatches=8),
+                g.Config(task="addwork", scale_rewards="none", seed=3)):
+        before = pre_split("trl_compare").grpo_config(cfg, 5, str(tmp_path), torch.device("cpu")).to_dict()
+        assert tc.grpo_config(cfg, 5, str(tmp_path), torch.device("cpu")).to_dict() == before
+
+
 def test_make_trl_writes_the_same_metrics_and_summary_fields_as_our_loop(tmp_path, capsys):
     import json
-    import trl_compare as tc
+    from studies import trl_compare as tc
     out = tmp_path / "trl"
     assert tc.trl_main(TINY + ["--out", str(out)]) == 0
     summary = json.loads((out / "summary.json").read_text())
@@ -284,7 +295,7 @@ def test_make_trl_writes_the_same_metrics_and_summary_fields_as_our_loop(tmp_pat
 
 
 def test_make_trl_refuses_what_grpo_config_cannot_express_in_one_line(capsys):
-    import trl_compare as tc
+    from studies import trl_compare as tc
     assert tc.trl_main(["--loss", "gspo-token"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "GSPO-token" in err
@@ -295,9 +306,9 @@ def test_make_trl_refuses_what_grpo_config_cannot_express_in_one_line(capsys):
     assert "warm-up" not in captured.out
 
 
-# --- trl_compare.py: the benchmark's two timed loops (make bench) -------------------------------------
+# --- studies/trl_compare.py: the benchmark's two timed loops (make bench) -----------------------------
 def test_bench_times_both_sides_and_stops_on_its_budget(tmp_path, monkeypatch):
-    import trl_compare as tc
+    from studies import trl_compare as tc
     monkeypatch.setattr(tc, "BENCH_DIR", str(tmp_path))
     torch.manual_seed(0)
     tok = g.build_char_tokenizer()
@@ -351,7 +362,7 @@ def test_the_batches_of_the_aggregation_test_reach_each_clip():
 
 
 def test_trl_config_follows_aggregation_and_scale_rewards(tmp_path):
-    import trl_compare as tc
+    from studies import trl_compare as tc
     cpu = torch.device("cpu")
     for aggregation, loss_type in (("paper", "grpo"), ("dapo", "dapo"), ("dr_grpo", "dr_grpo")):
         args = tc.grpo_config(g.Config(aggregation=aggregation, scale_rewards="none"), rollouts=1,

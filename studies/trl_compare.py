@@ -1,7 +1,7 @@
 """The same GSPO run in TRL, and gspo_minimal.py against TRL side by side.
 
-    make trl      # python trl_compare.py trl [gspo_minimal flags]: the default run in TRL -> runs/trl
-    make bench    # python trl_compare.py bench: time per cycle, tokens/s, memory, accuracy -> runs/bench
+    make trl      # python studies/trl_compare.py trl [gspo_minimal flags]: the default run in TRL -> runs/trl
+    make bench    # python studies/trl_compare.py bench: time per cycle, tokens/s, memory, accuracy -> runs/bench
 
 Needs requirements-trl.txt (the Makefile installs it). TRL's `GRPOTrainer` becomes GSPO with
 
@@ -17,7 +17,7 @@ Needs requirements-trl.txt (the Makefile installs it). TRL's `GRPOTrainer` becom
 and everything else follows gspo_minimal.py: the same warm-up (its own function, same seed, so the
 same starting weights), the same prompts in the same order (`shuffle_dataset=False` over the list our
 loop would draw), the same reward on the completion token ids (EOS required), the same test set.
-Where the two still differ, each measured or checked in tutorial.md section 11:
+Where the two still differ, each measured or checked in tutorial.md section 14:
   * TRL's advantage is (r - mean) / (std + 1e-4); ours adds 1e-6. With 0/1 rewards and G=8 the
     smallest non-zero std is 0.35, so the two differ by less than 3e-4 relative.
   * TRL decays the learning rate after every optimiser step (steps x minibatches of them), ours
@@ -46,9 +46,11 @@ import subprocess
 import sys
 import time
 
-import torch
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # gspo_minimal
 
-import gspo_minimal as g
+import torch  # noqa: E402
+
+import gspo_minimal as g  # noqa: E402
 
 
 # ---------------------------------------------------------------------------------------------
@@ -245,7 +247,7 @@ def trl_train(cfg: g.Config, model, tokenizer, device, run: g.Run, stop) -> dict
 
 
 def trl_main(argv: list[str]) -> int:
-    """`python trl_compare.py trl [flags]`: gspo_minimal's flags; --out defaults to runs/trl."""
+    """`python studies/trl_compare.py trl [flags]`: gspo_minimal's flags; --out defaults to runs/trl."""
     t_start = time.perf_counter()
     try:
         cfg = g.parse_config(["--out", "runs/trl", *argv])
@@ -258,7 +260,7 @@ def trl_main(argv: list[str]) -> int:
     import trl
     print(f"TRL {trl.__version__} GRPOTrainer as {cfg.loss} | {type(model).__name__} | {cfg.task} | "
           f"device {device} | seed {cfg.seed} | out {cfg.out}", flush=True)
-    run = g.Run(cfg.out, t_start, command=" ".join(["python trl_compare.py trl", *argv]))
+    run = g.Run(cfg.out, t_start, command=" ".join(["python studies/trl_compare.py trl", *argv]))
     with g.GracefulStop() as stop:
         summary = trl_train(cfg, model, tokenizer, device, run, stop)
     print(g.final_line(summary, run, "TRL"), flush=True)
@@ -382,7 +384,7 @@ def cycle_stats(cycles: list[float], tokens: list[int], sampling: list[float]) -
 
 
 def bench_side(argv: list[str]) -> int:
-    """Child process: `trl_compare.py _side {ours,trl} START BUDGET THREADS OUT_JSON`."""
+    """Child process: `studies/trl_compare.py _side {ours,trl} START BUDGET THREADS OUT_JSON`."""
     side, start, budget, threads, out = argv
     torch.set_num_threads(int(threads))
     quiet_libraries()
@@ -390,7 +392,7 @@ def bench_side(argv: list[str]) -> int:
     fn = bench_ours if side == "ours" else bench_trl
     result = fn(cfg, start, device, float(budget))
     result["peak_rss_mb"] = peak_rss_mb()
-    result = {**g.provenance(f"python trl_compare.py _side {side}", result.get("train_seconds")),
+    result = {**g.provenance(f"python studies/trl_compare.py _side {side}", result.get("train_seconds")),
               **result}
     with open(out, "w") as f:
         json.dump(result, f)
@@ -453,7 +455,7 @@ def bench_main(argv: list[str]) -> int:
                    "trl": trl_["grpo_config"]},
         "bench_seconds": time.perf_counter() - t0,
     }
-    bench = {**g.provenance("python trl_compare.py bench" + (f" {threads}" if argv else ""),
+    bench = {**g.provenance("python studies/trl_compare.py bench" + (f" {threads}" if argv else ""),
                             bench["bench_seconds"]), **bench}      # bench's own `threads` wins
     with open(os.path.join(BENCH_DIR, "bench.json"), "w") as f:
         json.dump(bench, f, indent=2)
@@ -483,6 +485,6 @@ def print_bench(b: dict) -> None:
 if __name__ == "__main__":
     commands = {"trl": trl_main, "bench": bench_main, "_side": bench_side}
     if len(sys.argv) < 2 or sys.argv[1] not in commands:
-        print("usage: python trl_compare.py {trl,bench} [...]", file=sys.stderr)
+        print("usage: python studies/trl_compare.py {trl,bench} [...]", file=sys.stderr)
         sys.exit(2)
     sys.exit(commands[sys.argv[1]](sys.argv[2:]))

