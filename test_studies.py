@@ -17,7 +17,7 @@ import torch
 
 import gspo_minimal as g
 from conftest import pre_split, tiny_llama_for
-from studies import common, gpu_check, long, metrics, pretrained, verify
+from studies import common, family, figures, gpu_check, long, metrics, pretrained, speed, verify
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 EXTRAS = ("requirements-trl.txt", "requirements-pretrained.txt")
@@ -321,7 +321,6 @@ def test_every_study_opens_with_what_it_measures_and_how_to_run_it_and_runs_from
 
 
 def test_each_subcommand_and_child_process_reaches_its_function(monkeypatch, capsys, tiny_run):
-    from studies import family, figures, speed
     calls = []
     monkeypatch.setattr(speed, "logprobs_variant", lambda name, dtype: {"variant": name, "dtype": dtype})
     assert speed.main(["_logprobs", "ours", "bfloat16"]) == 0          # the child of `speed.py logprobs`
@@ -819,3 +818,169 @@ def test_the_committed_long_results_hold_the_spec_keys_and_agree_with_their_runs
         rs = [run for run in r["runs"] if run["group"] == group]
         assert s["median_after"] == statistics.median(run["accuracy_after_rl"] for run in rs)
         assert s["gains"] == [run["accuracy_after_rl"] - run["accuracy_before_rl"] for run in rs]
+
+
+# Each committed JSON again, as a whole: every key its target promises is there, and every number it
+# derives from its own per-run entries (medians over seeds, seed lists, gains, slopes, copies of the
+# measurement's numbers) recomputed from those entries, the way the study computes it, equals the
+# stored one. These read figures/ only: runs/ is never committed and never needed.
+PROVENANCE = ("command", "seconds", "measured_at_commit", "versions", "threads")
+RUN_KEYS = ("name", "seed", "loss", "settings", "accuracy_before_rl", "accuracy_after_rl", "wall_seconds")
+
+
+def committed(name: str) -> dict:
+    with open(os.path.join(HERE, "figures", name)) as f:
+        return json.load(f)
+
+
+def median(values) -> float:
+    """float(np.median(...)), as the studies compute their medians over seeds."""
+    import numpy as np
+    return float(np.median(list(values)))
+
+
+def test_figures_json_groups_and_verify_part_agree_with_its_runs():
+    r = committed("figures.json")
+    for key in (*PROVENANCE, "steps", "seeds", "runs", "test_accuracy", "clip_tokens", "figures_seconds",
+                "runs_reused", "verify"):
+        assert key in r, key
+    assert r["seconds"] == r["figures_seconds"] >= r["figures_seconds_this_invocation"]
+    assert r["steps"] == common.FIG_STEPS and r["seeds"] == list(common.SEEDS)
+    # the runs make figures makes, in its order, each with the flags that differ from the defaults
+    assert [(run["name"], run["settings"]) for run in r["runs"]] == [
+        (name, args + ["--steps", str(common.FIG_STEPS), "--threads", "1"]) for name, args in figures.figure_runs()]
+    for run in r["runs"]:
+        for key in (*RUN_KEYS, "warmup_steps", "clip_tokens", "clip_seqs"):
+            assert key in run, (run["name"], key)
+        assert run["seed"] == int(run["name"].rsplit("_s", 1)[1]) and 0 <= run["accuracy_before_rl"] <= 1
+        flags = run["settings"]
+        assert run["loss"] == (flags[flags.index("--loss") + 1] if "--loss" in flags else "gspo")
+    groups = {}
+    for run in r["runs"]:
+        groups.setdefault(run["name"].rsplit("_s", 1)[0], []).append(run)
+    assert set(r["test_accuracy"]) == set(groups) == {"gspo", "gspo-token", "grpo", "moe_gspo", "moe_grpo", "control"}
+    for group, rs in groups.items():
+        acc = r["test_accuracy"][group]
+        assert acc["seeds"] == [run["accuracy_after_rl"] for run in rs]
+        assert acc["seeds_before"] == [run["accuracy_before_rl"] for run in rs]
+        assert acc["median"] == median(acc["seeds"]) and acc["median_before"] == median(acc["seeds_before"])
+    for loss in ("gspo", "grpo"):              # medians of per-step values: only their bounds are checkable
+        c = r["clip_tokens"][loss]
+        assert 0 <= c["first_half"] <= c["ceiling_first_half"] <= 1 and 0 <= c["second_half"] <= c["ceiling_second_half"] <= 1
+    assert r["clip_tokens"]["gspo"]["first_half"] > r["clip_tokens"]["grpo"]["first_half"]
+    v = r["verify"]
+    for key in ("verify_seconds", "equivalence_max_rel_err_float64", "equivalence_max_rel_err_float32",
+                "equivalence_sequences", "variance_slope_log_s", "variance_slope_log_s_ci95",
+                "variance_slope_unnormalised", "variance_slope_independent", "clip_fraction_gspo",
+                "clip_fraction_grpo", "moe_routing_change_fraction", *PROVENANCE):
+        assert key in v, key
+    first = {c["loss"]: c for c in v["clip_runs"] if c["lr_scale"] == 1.0}
+    assert (v["clip_fraction_gspo"], v["clip_fraction_grpo"], v["clip_seqs_gspo"], v["clip_ceiling"]) == (
+        first["gspo"]["clip_tokens"], first["grpo"]["clip_tokens"], first["gspo"]["clip_seqs"],
+        first["gspo"]["clip_ceiling"])
+    for c in v["clip_runs"]:
+        assert c["clip_tokens"] == pytest.approx(sum(c["clip_tokens_by_step"]) / len(c["clip_tokens_by_step"]),
+                                                 rel=1e-12)
+    assert v["moe_routing_change_fraction"] == v["ratio_spread"]["moe"]["routing_change_fraction"]
+    assert v["variance_slope_log_s"] == common.loglog_slope(v["variance_lengths"], v["variance_log_s"])
+    assert v["variance_slope_log_s_lengths_2_to_256"] == common.loglog_slope(v["variance_lengths"][1:],
+                                                                              v["variance_log_s"][1:])
+    lo, hi = v["variance_slope_log_s_ci95"]
+    assert lo <= v["variance_slope_log_s"] <= hi
+    assert v["equivalence_max_rel_err_float64"] < 1e-12 < v["equivalence_max_rel_err_float32"] < 1e-4
+
+
+def test_family_json_per_loss_medians_agree_with_its_runs():
+    r = committed("family.json")
+    for key in (*PROVENANCE, "task", "steps", "seeds", "runs", "by_loss", "figures_family_seconds", "runs_reused"):
+        assert key in r, key
+    assert r["task"] == "add2" and r["seconds"] == r["figures_family_seconds"] and "dirty" not in r
+    assert [(run["name"], run["settings"]) for run in r["runs"]] == [
+        (name, args + ["--steps", str(common.FIG_STEPS), "--threads", "1"]) for name, args in family.family_runs()]
+    for run in r["runs"]:
+        for key in (*RUN_KEYS, "clip_tokens", "clip_seqs", "rl_seconds", "mean_response_tokens_first_10_steps",
+                    "mean_response_tokens_last_10_steps"):
+            assert key in run, (run["name"], key)
+        assert ("gate_tokens" in run) == (run["loss"] in family.GATES), run["name"]
+        assert run["name"] == f"{run['loss']}_s{run['seed']}"
+    assert list(r["by_loss"]) == list(family.FAMILY)
+    for loss, s in r["by_loss"].items():
+        rs = [run for run in r["runs"] if run["loss"] == loss]
+        assert len(rs) == 3 and s["seeds_after"] == [run["accuracy_after_rl"] for run in rs]
+        assert s["median_after"] == median(s["seeds_after"])
+        assert s["median_before"] == median(run["accuracy_before_rl"] for run in rs)
+        assert s["median_clip_tokens"] == median(run["clip_tokens"] for run in rs)
+        assert s["median_gate_tokens"] == (median(run["gate_tokens"] for run in rs) if loss in family.GATES else None)
+        assert s["median_rl_seconds"] == median(run["rl_seconds"] for run in rs)
+
+
+def test_long_json_per_group_medians_gains_and_slopes_agree_with_its_runs():
+    r = committed("long.json")
+    for key in ("steps", "seeds", "warmups", "by_group", "variance", "variance_slope_log_s_prefix",
+                "variance_slope_log_s_natural_ci95", "variance_slope_log_s_prefix_from_4", "runs_reused"):
+        assert key in r, key
+    assert r["seconds"] == r["figures_long_seconds"] and r["steps"] == long.LONG_STEPS
+    assert [(run["name"], run["settings"]) for run in r["runs"]] == [
+        (name, args + ["--steps", str(long.LONG_STEPS), "--threads", "1"]) for name, args in long.long_runs()]
+    assert [w["seed"] for w in r["warmups"]] == list(common.SEEDS)
+    assert list(r["by_group"]) == list(long.LONG_GROUPS)
+    for group, s in r["by_group"].items():
+        rs = [run for run in r["runs"] if run["group"] == group]
+        assert len(rs) == 3 and all(run["name"] == f"{group}_s{run['seed']}" for run in rs)
+        assert s["seeds_after"] == [run["accuracy_after_rl"] for run in rs]
+        assert s["median_before"] == median(run["accuracy_before_rl"] for run in rs)
+        assert s["median_gain"] == median(s["gains"])
+        for half in ("short", "long"):
+            assert s[f"median_gain_{half}"] == median(run["accuracy_by_length_after_rl"][half]
+                                                      - run["accuracy_by_length_before_rl"][half] for run in rs)
+        assert s["median_length_first_10"] == median(run["mean_response_tokens_first_10_steps"] for run in rs)
+        assert s["median_length_last_10"] == median(run["mean_response_tokens_last_10_steps"] for run in rs)
+        for key in ("clip_tokens", "clip_seqs", "rl_seconds"):
+            assert s[f"median_{key}"] == median(run[key] for run in rs), (group, key)
+    for run in r["runs"]:
+        assert 0 <= run["clip_tokens"] <= run["clip_ceiling"] <= 1
+        before = {half: run["accuracy_by_length_before_rl"][half] for half in ("short", "long")}
+        assert run["accuracy_before_rl"] == pytest.approx((before["short"] + before["long"]) / 2, abs=1e-9)
+    v = r["variance"]
+    assert r["variance_slope_log_s_natural"] == v["by_natural_length"]["slope"]
+    assert r["variance_slope_log_s_natural_ci95"] == v["by_natural_length"]["slope_ci95"]
+    assert r["variance_slope_log_s_prefix"] == v["by_prefix"]["slope"]
+    assert r["variance_slope_log_s_prefix_ci95"] == v["by_prefix"]["slope_ci95"]
+    assert r["variance_slope_log_s_prefix_from_4"] == common.loglog_slope(v["by_prefix"]["lengths"][2:],
+                                                                          v["by_prefix"]["var"][2:])
+    assert v["by_prefix"]["slope"] == common.loglog_slope(v["by_prefix"]["lengths"], v["by_prefix"]["var"])
+    assert sum(v["by_natural_length"]["answers"]) == v["answers_stopped"] <= v["answers"]
+
+
+def test_pretrained_json_copies_and_slopes_agree_with_its_measurement():
+    r = committed("pretrained.json")
+    m = r["measurement"]
+    assert r["seconds"] == r["pretrained_seconds"]
+    assert r["settings"] == pretrained.PRE         # the code still holds the settings the run was made with
+    for key in ("response_tokens_median", "response_tokens_p10", "response_tokens_p90",
+                "equivalence_max_rel_err_float32", "equivalence_max_rel_err_float64", "variance_slope_log_s",
+                "variance_slope_log_s_ci95", "clip_lr", "update_tokens_per_second"):
+        assert r[key] == m[key], key
+    branches = {b["loss"]: b for b in m["clip_branches"] if b["lr"] == r["clip_lr"]}
+    for loss in ("gspo", "grpo"):
+        assert (r[f"clip_tokens_{loss}"], r[f"clip_seqs_{loss}"]) == (branches[loss]["clip_tokens"],
+                                                                      branches[loss]["clip_seqs"])
+        assert branches[loss]["clip_tokens"] <= branches[loss]["clip_ceiling"]
+    p = m["variance_prefix_64"]
+    assert p["lengths"] == [1, 2, 4, 8, 16, 32, 64] and r["variance_slope_log_s"] == p["slope"]
+    assert p["slope"] == common.loglog_slope(p["lengths"], p["var"])
+    assert r["variance_slope_lengths_1_to_8"] == common.loglog_slope(p["lengths"][:4], p["var"][:4])
+    assert r["variance_slope_lengths_8_to_64"] == common.loglog_slope(p["lengths"][3:], p["var"][3:])
+    assert r["variance_covariance_share_at_64"] == 1 - p["uncorrelated"][-1] / p["var"][-1]
+    runs = {run["name"]: run for run in r["runs"]}
+    assert r["rl_steps"] == runs["gspo"]["rl_steps"] and not any(run["interrupted"] for run in runs.values())
+    assert runs["gspo"]["settings"] == r["settings"]["train"]
+    assert runs["shuffled"]["settings"] == r["settings"]["train"] + ["--shuffle-rewards"]
+    for side in ("ours", "generate"):
+        key = f"sampling_tokens_per_second_{side}"
+        assert r[key] == r["sampling"][key]
+    lo, hi = r["reward_gain_ci95_shuffled"]
+    assert lo <= r["reward_after_rl_shuffled"] - r["reward_before_rl"] <= hi
+    rows = {(row["variant"], row["dtype"]) for row in r["token_logprobs"]["rows"]}
+    assert {(v, d) for v in ("ours", "one_shot", "trl") for d in ("float32", "bfloat16")} == rows
+    assert r["token_logprobs"]["shape"] == list(speed.LOGPROB_SHAPE)
