@@ -57,7 +57,7 @@ TINY_ADDWORK = ["--task", "addwork", "--steps", "2", "--warmup-max-steps", "5", 
 
 @pytest.fixture(scope="session")
 def tiny_run(tmp_path_factory):
-    """(run folder, its summary.json) of `gspo_minimal.py TINY --seed 0`, trained once per session."""
+    """(run folder, its summary.json) of `gspo_minimal.py TINY --seed 0`, trained once per test run."""
     out = str(tmp_path_factory.mktemp("runs") / "tiny")
     assert g.main(TINY + ["--out", out, "--seed", "0"]) == 0
     with open(os.path.join(out, "summary.json")) as f:
@@ -66,7 +66,7 @@ def tiny_run(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def tiny_addwork_run(tmp_path_factory):
-    """(run folder, its summary.json) of a 2-step `--task addwork` run, trained once per session."""
+    """(run folder, its summary.json) of a 2-step `--task addwork` run, trained once per test run."""
     out = str(tmp_path_factory.mktemp("runs") / "addwork")
     assert g.main(TINY_ADDWORK + ["--out", out]) == 0
     with open(os.path.join(out, "summary.json")) as f:

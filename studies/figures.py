@@ -276,7 +276,7 @@ def figures() -> None:
 
 
 def figure_summary() -> dict:
-    """The numbers tutorial.md quotes from the figure runs: every run's settings and results, the
+    """The numbers results.md quotes from the figure runs: every run's settings and results, the
     per-group medians, and the dense runs' clip fractions over each half of training."""
     import numpy as np
     runs, groups = [], {}
