@@ -972,6 +972,11 @@ def test_pretrained_json_copies_and_slopes_agree_with_its_measurement():
     assert r["variance_slope_lengths_1_to_8"] == common.loglog_slope(p["lengths"][:4], p["var"][:4])
     assert r["variance_slope_lengths_8_to_64"] == common.loglog_slope(p["lengths"][3:], p["var"][3:])
     assert r["variance_covariance_share_at_64"] == 1 - p["uncorrelated"][-1] / p["var"][-1]
+    assert r["variance_slopes_by_range"] == pretrained.slopes_by_range(m)     # `redraw` wrote it from m
+    by_range = r["variance_slopes_by_range"]
+    assert by_range["prefix_64"]["pre_set"]["1_to_64"] == p["slope"]
+    assert by_range["prefix_128"]["pre_set"]["1_to_128"] == m["variance_prefix_128"]["slope"]
+    assert by_range["prefix_64"]["after_the_run"]["8_to_64"] == r["variance_slope_lengths_8_to_64"]
     runs = {run["name"]: run for run in r["runs"]}
     assert r["rl_steps"] == runs["gspo"]["rl_steps"] and not any(run["interrupted"] for run in runs.values())
     assert runs["gspo"]["settings"] == r["settings"]["train"]
@@ -984,3 +989,163 @@ def test_pretrained_json_copies_and_slopes_agree_with_its_measurement():
     rows = {(row["variant"], row["dtype"]) for row in r["token_logprobs"]["rows"]}
     assert {(v, d) for v in ("ours", "one_shot", "trl") for d in ("float32", "bfloat16")} == rows
     assert r["token_logprobs"]["shape"] == list(speed.LOGPROB_SHAPE)
+
+
+# --- studies/lens.py: the gradient weights it draws are the objectives' own ---------------------------
+def test_lens_weights_are_each_objectives_gradient_in_closed_form():
+    """On-policy every weight is 1; away from it each follows its formula: GRPO and GSPO the ratio
+    until the active side of their band, CISPO the capped ratio, SAPO r * 4 sigmoid (1 - sigmoid),
+    VESPO phi(W) with W = s^|y|."""
+    from studies import lens
+    w = lens.weights(points=81)
+    x = w["token"]["x"]
+    r = x.exp()
+    grpo = w["token"]["GRPO (0.2 / 0.27)"]
+    assert torch.allclose(grpo["A > 0"], torch.where(r > 1.27, 0.0, r).double(), atol=1e-12)
+    assert torch.allclose(grpo["A < 0"], torch.where(r < 0.8, 0.0, r).double(), atol=1e-12)
+    cispo = w["token"]["CISPO (cap 5)"]
+    assert torch.allclose(cispo["A > 0"], r.clamp(max=5.0), atol=1e-12)
+    sig = torch.sigmoid(r - 1)
+    assert torch.allclose(w["token"]["SAPO, token"]["A > 0"], r * 4 * sig * (1 - sig), atol=1e-12)
+    xs = w["sequence"]["x"]
+    s = xs.exp()
+    gspo = w["sequence"]["GSPO (3e-4 / 4e-4)"]
+    assert torch.allclose(gspo["A > 0"], torch.where(s > 1 + 4e-4, 0.0, s).double(), atol=1e-12)
+    assert torch.allclose(gspo["A < 0"], torch.where(s < 1 - 3e-4, 0.0, s).double(), atol=1e-12)
+    log_w = lens.LENGTH * xs
+    phi = torch.exp(3.0 + 2.0 * log_w - 3.0 * log_w.exp())
+    assert torch.allclose(w["sequence"][f"VESPO, |y| = {lens.LENGTH}"]["A > 0"], phi, atol=1e-12)
+    for level in ("token", "sequence"):
+        at_zero = (w[level]["x"].abs() < 1e-12).nonzero().item()
+        for name, sides in w[level].items():
+            if name != "x":
+                assert all(abs(v[at_zero].item() - 1) < 1e-9 for v in sides.values()), name
+
+
+# --- the docs: every tagged number in results.md equals its committed JSON; every link resolves ------
+DOCS = ("README.md", "tutorial.md", "results.md")
+TAG = re.compile(r"`([\w.-]+\.json):([^`]+)`")
+NUMBER = re.compile(r"(?<![\w.])[-+\u2212]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:[eE][-+]?\d+)?%?")
+
+
+def json_value(data, path: str):
+    """A value of `data` by a path: keys joined by dots, [3] for an index, [k=v,k2=v2] for the one
+    list element whose fields equal those values."""
+    value = data
+    for key, selector in re.findall(r"([^.\[\]]+)|\[([^\]]+)\]", path.strip()):
+        if key:
+            value = value[key]
+        elif re.fullmatch(r"-?\d+", selector):
+            value = value[int(selector)]
+        else:
+            want = dict(part.split("=", 1) for part in selector.split(","))
+            hits = [e for e in value if all(str(e.get(k)) == v for k, v in want.items())]
+            assert len(hits) == 1, f"[{selector}] matches {len(hits)} elements"
+            value = hits[0]
+    return value
+
+
+def tag_value(expr: str, data):
+    """`PATH`, `PATH / PATH` or `PATH - PATH` evaluated on one JSON file."""
+    for op, fn in ((" / ", lambda a, b: a / b), (" - ", lambda a, b: a - b)):
+        if op in expr:
+            left, right = expr.split(op)
+            return fn(json_value(data, left), json_value(data, right))
+    return json_value(data, expr)
+
+
+def shown_equals(text: str, value: float) -> bool:
+    """Could `value`, rounded to the digits `text` shows, be written as `text`? A trailing % means
+    the value is shown x100; thousands separators and a leading + are allowed."""
+    text = text.replace(",", "").replace("\u2212", "-").lstrip("+")
+    if text.endswith("%"):
+        text, value = text[:-1], value * 100
+    mantissa, _, exponent = text.lower().partition("e")
+    decimals = len(mantissa.split(".")[1]) if "." in mantissa else 0
+    half_unit = 0.5 * 10.0 ** (int(exponent or 0) - decimals)
+    return abs(value - float(text)) <= half_unit * (1 + 1e-9)
+
+
+def tagged_numbers(markdown: str):
+    """(line number, shown numbers, file, expression) for each tag: the numbers are those between the
+    previous tag or cell border and the tag."""
+    for lineno, line in enumerate(markdown.splitlines(), 1):
+        start = 0
+        for m in TAG.finditer(line):
+            segment = line[start:m.start()]
+            segment = segment[segment.rfind("|") + 1:]
+            yield lineno, NUMBER.findall(re.sub(r"`[^`]*`", " ", segment)), m.group(1), m.group(2)
+            start = m.end()
+
+
+def test_every_tagged_number_in_results_md_equals_the_committed_json():
+    with open(os.path.join(HERE, "results.md")) as f:
+        text = f.read()
+    tags = list(tagged_numbers(text))
+    assert len(tags) >= 40, "results.md should back its numbers with JSON keys"
+    files: dict = {}
+    for lineno, shown, name, expr in tags:
+        if name not in files:
+            with open(os.path.join(HERE, "figures", name)) as f:
+                files[name] = json.load(f)
+        value = tag_value(expr, files[name])
+        values = value if isinstance(value, list) else [value]
+        assert len(shown) >= len(values), f"results.md:{lineno}: {len(values)} value(s) for {shown} ({expr})"
+        for text, v in zip(shown[len(shown) - len(values):], values):
+            assert isinstance(v, (int, float)) and shown_equals(text, float(v)), \
+                f"results.md:{lineno}: shows {text}, {name}:{expr} holds {v}"
+
+
+def test_the_tag_checker_catches_a_wrong_number():
+    data = {"runs": [{"name": "a", "x": 0.8461}, {"name": "b", "x": 0.5}], "r": [0.1, 0.25]}
+    assert shown_equals("0.846", json_value(data, "runs[name=a].x"))
+    assert not shown_equals("0.847", json_value(data, "runs[name=a].x"))
+    assert shown_equals("84.6%", 0.8461) and shown_equals("1.69x".rstrip("x"), tag_value("runs[0].x / runs[1].x", data))
+    assert shown_equals("3,751", 3751.2) and shown_equals("4.0e-05", 4.04e-5) and not shown_equals("4e-5", 6e-5)
+    lines = list(tagged_numbers("| GSPO | 0.10 and 0.25 `f.json:r` | 0.846 `f.json:runs[1].x` | 0.010-0.052 `f.json:r` |"))
+    assert [shown for _, shown, _, _ in lines] == [["0.10", "0.25"], ["0.846"], ["0.010", "0.052"]]
+
+
+def github_anchors(markdown: str) -> set[str]:
+    """The anchors GitHub gives a file's headings: lower case, punctuation dropped, spaces to '-'."""
+    seen: dict[str, int] = {}
+    anchors = set()
+    in_code = False
+    for line in markdown.splitlines():
+        if line.startswith("```"):
+            in_code = not in_code
+        m = re.match(r"(#{1,6}) (.*)", line)
+        if m and not in_code:
+            slug = re.sub(r"[^\w\- ]", "", m.group(2).strip().lower().replace("`", "")).replace(" ", "-")
+            anchors.add(slug if slug not in seen else f"{slug}-{seen[slug]}")
+            seen[slug] = seen.get(slug, 0) + 1
+    return anchors
+
+
+def test_every_link_and_anchor_in_the_docs_resolves():
+    texts = {}
+    for name in DOCS:
+        with open(os.path.join(HERE, name)) as f:
+            texts[name] = f.read()
+    broken = []
+    for name, text in texts.items():
+        text = re.sub(r"```.*?```", "", text, flags=re.S)
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if re.match(r"https?://", target):
+                continue
+            path, _, anchor = target.partition("#")
+            path = path or name
+            if not os.path.exists(os.path.join(HERE, path)):
+                broken.append(f"{name}: {target} (no such file)")
+            elif anchor:
+                if path not in texts:
+                    with open(os.path.join(HERE, path)) as f:
+                        texts[path] = f.read()
+                if anchor not in github_anchors(texts[path]):
+                    broken.append(f"{name}: {target} (no such heading)")
+    assert not broken, "\n".join(broken)
+
+
+def test_github_anchor_rules():
+    assert github_anchors("## 7. A walk through `gspo_minimal.py`\n## Clipping: GSPO against GRPO\n## x\n## x") \
+        == {"7-a-walk-through-gspo_minimalpy", "clipping-gspo-against-grpo", "x", "x-1"}

@@ -260,6 +260,28 @@ def test_grpo_config_is_gspo_with_our_batch_and_optimiser(tmp_path):
     assert (grpo.importance_sampling_level, grpo.epsilon, grpo.epsilon_high) == ("token", 0.2, 0.27)
 
 
+def test_the_tutorials_grpo_config_is_the_one_make_trl_builds(tmp_path):
+    """tutorial.md section 14 shows GSPO in TRL as one `py` block: it runs, and every field it sets
+    equals the GRPOConfig that make trl builds for make train's settings."""
+    import os
+    import re
+
+    import studies.trl_compare as tc
+    with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "tutorial.md")) as f:
+        blocks = re.findall(r"```py\n(.*?)```", f.read(), flags=re.S)
+    assert len(blocks) == 1
+    namespace: dict = {}
+    exec(compile(blocks[0], "tutorial.md[py block]", "exec"), namespace)
+    shown = namespace["config"]
+    ours = tc.grpo_config(g.Config(), rollouts=500, out=str(tmp_path), device=torch.device("cpu"))
+    for field in ("importance_sampling_level", "loss_type", "beta", "epsilon", "epsilon_high",
+                  "num_generations", "per_device_train_batch_size", "steps_per_generation",
+                  "gradient_accumulation_steps", "learning_rate", "weight_decay", "max_grad_norm",
+                  "bf16", "gradient_checkpointing", "temperature", "top_p", "lr_scheduler_type"):
+        assert getattr(shown, field) == getattr(ours, field), field
+    assert namespace["reward"](["a", "b"], [[1], [2]]) == [0.0, 0.0]
+
+
 def test_golden_grpo_config_is_the_one_trl_compare_built_before_the_split(tmp_path):
     """trl_compare.py as it was before its move to studies/ (conftest.pre_split, read from git)
     and now build the same GRPOConfig from the same Config, field for field."""

