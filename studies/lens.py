@@ -25,6 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 import gspo_minimal as g  # noqa: E402
+from studies.common import Parser, cli  # noqa: E402
 
 FIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "figures",
                    "relatives_weight.png")
@@ -95,6 +96,13 @@ def plot(w: dict, path: str = FIG) -> None:
     plt.close(fig)
 
 
-if __name__ == "__main__":
+@cli
+def main(argv=None) -> int:
+    Parser(description=__doc__.splitlines()[0]).parse_args(argv)
     plot(weights())
     print(f"wrote {os.path.relpath(FIG)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -17,7 +17,6 @@ answers, and "Clipping: GSPO against GRPO" at 4 and 8 minibatches.
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import dataclasses
 import json
@@ -32,10 +31,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import torch  # noqa: E402
 
 import gspo_minimal as g  # noqa: E402
-from studies.common import (DEFAULTS, FIG_DIR, SEEDS, STYLE, big_rollout, binned_variance,  # noqa: E402
-                            loglog_slope, logprobs_in_chunks, one_update, read_metrics, read_summary,
-                            reused_runs, run_jobs, script_job, variance_panels, variance_profile,
-                            warm_optimizer, write_json)
+from studies.common import (DEFAULTS, FIG_DIR, SEEDS, STYLE, Parser, big_rollout, binned_variance,  # noqa: E402
+                            cli, fail, loglog_slope, logprobs_in_chunks, one_update, read_metrics,
+                            read_summary, reused_runs, run_jobs, script_job, variance_panels,
+                            variance_profile, warm_optimizer, write_json)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -374,12 +373,15 @@ def figures_long() -> dict:
     return summary
 
 
+@cli
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "_warmup":                    # child process of figures-long
+        if len(argv) < 3 or not argv[1].isdigit():
+            fail("usage: python studies/long.py _warmup SEED OUT [gspo_minimal flags]")
         long_warmup(int(argv[1]), argv[2], argv[3:])
         return 0
-    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args(argv)
+    Parser(description=__doc__.splitlines()[0]).parse_args(argv)
     from transformers.utils import logging as hf_logging
     hf_logging.disable_progress_bar()
     figures_long()

@@ -2,6 +2,9 @@
 
     python studies/metrics.py [RUN_FOLDER]      # RUN_FOLDER/metrics.jsonl; runs/train when omitted
 
+RUN_FOLDER is read from the directory you are in, else from the repository root. A missing folder,
+a missing or corrupt metrics.jsonl: one line, exit code 2.
+
 Prints, for each key of metrics.jsonl (s_mean, clip_tokens, clip_ceiling, reward, ...), its lowest
 value, 10th percentile, median, 90th percentile and highest over the RL steps. It serves the
 reading of a run (tutorial.md, "Reading the metrics"): what a normal value of each metric is,
@@ -9,7 +12,6 @@ before one looks at a single step's.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -17,14 +19,39 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # gspo_minimal, studies
 
-from studies.common import TRAIN_DIR  # noqa: E402
+from studies import common  # noqa: E402
+from studies.common import TRAIN_DIR, Parser, cli, fail, given_path  # noqa: E402
+
+
+def read_records(folder: str) -> list[dict]:
+    """Every record of FOLDER/metrics.jsonl; a missing or corrupt file fails in one line."""
+    if not os.path.isdir(folder):
+        elsewhere = os.path.realpath(common.started_in) != os.path.realpath(common.ROOT)
+        looked = f" (neither in {common.started_in} nor in {common.ROOT})" \
+            if elsewhere and not os.path.isabs(folder) else ""
+        fail(f"no run folder {folder}{looked}")
+    path = os.path.join(folder, "metrics.jsonl")
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            lines = f.read().splitlines()
+    except OSError as err:
+        fail(f"cannot read {path}: {err.strerror}")
+    records = []
+    for n, line in enumerate(lines, 1):
+        try:
+            record = json.loads(line)
+        except ValueError:
+            record = None
+        if not isinstance(record, dict) or not isinstance(record.get("stage"), str):
+            fail(f"{path}, line {n}: not a metrics record (a JSON object with a stage)")
+        records.append(record)
+    return records
 
 
 def metric_stats(folder: str = TRAIN_DIR) -> dict:
     """Lowest, 10th percentile, median, 90th percentile and highest of every number that
     metrics.jsonl logs over a run's RL steps (tutorial.md section 8 quotes them)."""
-    with open(os.path.join(folder, "metrics.jsonl")) as f:
-        rl = [r for r in map(json.loads, f) if r["stage"] == "rl"]
+    rl = [r for r in read_records(folder) if r["stage"] == "rl"]
     stats = {}
     for key in dict.fromkeys(k for r in rl for k in r):          # every key, in first-seen order
         values = sorted(r[key] for r in rl if isinstance(r.get(key), (int, float)))
@@ -40,10 +67,11 @@ def metric_stats(folder: str = TRAIN_DIR) -> dict:
     return stats
 
 
+@cli
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = Parser(description=__doc__.splitlines()[0])
     parser.add_argument("folder", nargs="?", default=TRAIN_DIR, help="run folder (default: runs/train)")
-    metric_stats(parser.parse_args(argv).folder)
+    metric_stats(given_path(parser.parse_args(argv).folder))
     return 0
 
 

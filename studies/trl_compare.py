@@ -51,6 +51,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import torch  # noqa: E402
 
 import gspo_minimal as g  # noqa: E402
+from studies.common import cli, fail, given_path, need  # noqa: E402
 
 
 # ---------------------------------------------------------------------------------------------
@@ -255,6 +256,9 @@ def trl_main(argv: list[str]) -> int:
     except g.BadInput as err:
         print(f"trl_compare.py: error: {err}", file=sys.stderr)
         return 2
+    if cfg.model:                                  # a local model folder or file named from elsewhere
+        cfg = dataclasses.replace(cfg, model=given_path(cfg.model))
+    need("trl", "make trl", "make trl installs it in .venv-trl")      # before any model is built
     quiet_libraries()
     device, model, tokenizer = g.prepare(cfg)
     import trl
@@ -386,6 +390,8 @@ def cycle_stats(cycles: list[float], tokens: list[int], sampling: list[float]) -
 
 def bench_side(argv: list[str]) -> int:
     """Child process: `studies/trl_compare.py _side {ours,trl} START BUDGET THREADS OUT_JSON`."""
+    if len(argv) != 5 or argv[0] not in ("ours", "trl") or not argv[3].isdigit():
+        fail("usage: python studies/trl_compare.py _side {ours,trl} START BUDGET THREADS OUT_JSON")
     side, start, budget, threads, out = argv
     torch.set_num_threads(int(threads))
     quiet_libraries()
@@ -401,6 +407,9 @@ def bench_side(argv: list[str]) -> int:
 
 
 def bench_main(argv: list[str]) -> int:
+    if len(argv) > 1 or (argv and not (argv[0].isdigit() and int(argv[0]) > 0)):
+        fail("usage: python studies/trl_compare.py bench [THREADS]")
+    need("trl", "make bench", "make bench installs it in .venv-trl")
     import trl
     import transformers
     threads = int(argv[0]) if argv else torch.get_num_threads()
@@ -427,8 +436,9 @@ def bench_main(argv: list[str]) -> int:
               f"{CHECKPOINTING_CYCLES} rollouts with gradient checkpointing" if side == "trl" else ""),
               flush=True)
         out = os.path.join(BENCH_DIR, f"{side}.json")
-        subprocess.run([sys.executable, __file__, "_side", side, start, budget, str(threads), out],
-                       check=True)
+        code = subprocess.run([sys.executable, __file__, "_side", side, start, budget, str(threads), out]).returncode
+        if code:
+            fail(f"the {side} side of the bench exited with {code}: no bench.json written", 1)
         with open(out) as f:
             results[side] = json.load(f)
         budget = str(results["ours"]["train_seconds"])
@@ -484,9 +494,17 @@ def print_bench(b: dict) -> None:
           f"{b['bench_seconds']:.0f} s | {BENCH_DIR}/bench.json")
 
 
+COMMANDS = {"trl": trl_main, "bench": bench_main, "_side": bench_side}
+
+
+@cli
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] not in COMMANDS:
+        fail("usage: python studies/trl_compare.py {trl,bench} [...]"
+             + (f" (no subcommand {argv[0]!r})" if argv else ""))
+    return COMMANDS[argv[0]](argv[1:])
+
+
 if __name__ == "__main__":
-    commands = {"trl": trl_main, "bench": bench_main, "_side": bench_side}
-    if len(sys.argv) < 2 or sys.argv[1] not in commands:
-        print("usage: python studies/trl_compare.py {trl,bench} [...]", file=sys.stderr)
-        sys.exit(2)
-    sys.exit(commands[sys.argv[1]](sys.argv[2:]))
+    sys.exit(main())

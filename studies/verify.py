@@ -18,7 +18,6 @@ make figures copies verify.json into figures/figures.json (its `verify` part) an
 """
 from __future__ import annotations
 
-import argparse
 import copy
 import os
 import random
@@ -31,8 +30,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import torch  # noqa: E402
 
 import gspo_minimal as g  # noqa: E402
-from studies.common import (DEFAULTS, TRAIN_DIR, big_rollout, load_checkpoint, loglog_slope,  # noqa: E402
-                            logprobs_in_chunks, minibatch_ratios, one_update, problems,
+from studies.common import (DEFAULTS, TRAIN_DIR, Parser, big_rollout, cli, load_checkpoint,  # noqa: E402
+                            loglog_slope, logprobs_in_chunks, minibatch_ratios, one_update, problems,
                             variance_profile, warm_optimizer, write_json)
 
 VERIFY_DIR = "runs/verify"
@@ -313,8 +312,9 @@ def print_table(r: dict) -> None:
         print(f"{a:<{w}}  {b:>18}  {c}")
 
 
+@cli
 def main(argv=None) -> int:
-    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args(argv)
+    Parser(description=__doc__.splitlines()[0]).parse_args(argv)
     from transformers.utils import logging as hf_logging
     hf_logging.disable_progress_bar()
     verify()
