@@ -54,6 +54,7 @@ import ast
 import dataclasses
 import inspect
 import json
+import math
 import os
 import random
 import re
@@ -91,7 +92,8 @@ class Config:
     device: str = "auto"
     """auto (CUDA when available, else CPU), cpu or cuda"""
     seed: int = 0
-    """seed for model initialisation, sampling and the training prompts (the test set is fixed)"""
+    """seed for model initialisation, sampling and the training prompts (the test set is fixed);
+    0 to 2**64 - 1"""
     group_size: int = 8
     """G: completions sampled per prompt; advantages are normalised within each group"""
     prompts_per_step: int = 32
@@ -122,7 +124,8 @@ class Config:
     max_new_tokens: int = 6
     """longest completion sampled; a completion without EOS by then gets reward 0"""
     temperature: float = 1.0
-    """sampling temperature; the policy's log-probs use logits / temperature, so s = 1 on-policy"""
+    """sampling temperature, 0.01 to 100; the policy's log-probs use logits / temperature, so s = 1
+    on-policy"""
     out: str = "runs/train"
     """output folder: metrics.jsonl, summary.json and checkpoint/ (Hugging Face format); the run
     writes <out>.incomplete until its first checkpoint, and never touches what it did not write"""
@@ -131,7 +134,7 @@ class Config:
     warmup_lr: float = 1e-3
     """AdamW learning rate of the supervised warm-up"""
     warmup_target: float = 0.3
-    """the warm-up stops once validation accuracy first reaches this"""
+    """the warm-up stops once validation accuracy first reaches this (0 to 1)"""
     warmup_max_steps: int = 3000
     """the warm-up stops after this many steps even below warmup_target"""
     warmup_batch: int = 256
@@ -145,7 +148,7 @@ class Config:
     grad_clip: float = 1.0
     """clip the gradient norm at this value (0: off)"""
     threads: int = 0
-    """CPU threads for torch (0: torch's default)"""
+    """CPU threads for torch (0: torch's default; at most 4 per core)"""
 
 
 LOSSES = ("gspo", "gspo-token", "grpo", "gmpo", "sapo", "sapo-seq", "cispo", "luspo", "vespo")
@@ -1246,6 +1249,19 @@ def replace_folder(new: str, final: str) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
+def finite_or_null(value):
+    """`value` with every non-finite float inside it replaced by None (JSON's null): JSON has no NaN
+    or Infinity, and a file holding them is not JSON to jq or a browser. In metrics.jsonl they
+    are legitimate: `form_gap` is NaN where a perplexity overflows, `s_max` inf where s does."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: finite_or_null(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite_or_null(v) for v in value]
+    return value
+
+
 class Run:
     """Writes into `<out>.incomplete` until the first checkpoint is complete, then swaps it in for
     `<out>`: an earlier run in `out` survives a new run that dies before its first checkpoint.
@@ -1270,7 +1286,7 @@ class Run:
         record = {**record, "elapsed": time.perf_counter() - self.t_start,   # seconds since start
                   "cpu_seconds": time.process_time()}          # this process's CPU time, all threads
         with open(os.path.join(self.dir, "metrics.jsonl"), "a") as f:
-            f.write(json.dumps(record) + "\n")
+            f.write(json.dumps(finite_or_null(record), allow_nan=False) + "\n")
         if line:
             print(line, flush=True)
 
@@ -1304,8 +1320,8 @@ class Run:
         """summary.json, with the keys every JSON of this project carries (`provenance`)."""
         summary = {**summary, **provenance(self.command, summary.get("wall_seconds"))}
         tmp = os.path.join(self.dir, "summary.json.tmp")
-        with open(tmp, "w") as f:
-            json.dump(summary, f, indent=2)
+        with open(tmp, "w") as f:    # every number in it is finite by construction: a NaN here
+            json.dump(summary, f, indent=2, allow_nan=False)   # is a bug, and fails here
         os.replace(tmp, os.path.join(self.dir, "summary.json"))
 
 
@@ -1406,6 +1422,8 @@ def build_parser(cls=Config) -> argparse.ArgumentParser:
     an X (None, the default, means "not given")."""
     helps, hints = field_help(cls), typing.get_type_hints(cls)
     parser = _Parser(description="GSPO in one file: Group Sequence Policy Optimization, annotated.",
+                     epilog="Every bad input gets one line on stderr and exit code 2, before any "
+                            "model is built.",
                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     for f in dataclasses.fields(cls):
         flag, kind = "--" + f.name.replace("_", "-"), hints[f.name]
@@ -1430,16 +1448,60 @@ def parse_config(argv: list[str] | None = None, cls=Config) -> Config:
     return cfg
 
 
+# The range of every numeric flag but the clip widths (theirs depends on the loss), checked before
+# anything is built: (lowest, highest, why), None where that side is open. The upper bounds are
+# generous: they are there so that a slip of the keyboard (an extra zero or three) gets one line
+# instead of a run that swaps, or never ends.
+MAX_ROLLOUT = 2 ** 16          # completions per rollout, --prompts-per-step x --group-size
+MAX_HELD_OUT = 100_000         # --test-size + --val-size: every evaluation scores all of them
+MAX_NEW_TOKENS_BUILT_IN = 1024   # the built-in model's longest answer (addwork's) is 60 tokens
+FLAG_RANGES = {
+    "seed": (0, 2 ** 64 - 1, "torch.manual_seed's range; random.Random would read -s as s"),
+    "steps": (1, 10 ** 7, "ten million steps are months of the default run"),
+    "warmup_max_steps": (0, 10 ** 7, "ten million steps are months of the default run"),
+    "group_size": (2, MAX_ROLLOUT, "advantages compare the responses to one prompt"),
+    "prompts_per_step": (1, MAX_ROLLOUT // 2, "with at least 2 completions each"),
+    "minibatches": (1, None, "at most --prompts-per-step, checked below"),
+    "warmup_batch": (1, MAX_ROLLOUT, "problems per supervised step"),
+    "eval_every": (1, None, "above --steps: once, at the end"),
+    "val_size": (1, MAX_HELD_OUT, "every evaluation scores them all"),
+    "test_size": (1, MAX_HELD_OUT, "every evaluation scores them all"),
+    "max_new_tokens": (1, None, "checked against the model's positions below"),
+    "threads": (0, 4 * (os.cpu_count() or 1), f"0: torch's default; at most 4 per core of this "
+                                              f"machine's {os.cpu_count() or 1}"),
+    "warmup_target": (0, 1, "an accuracy: above 1 the warm-up could never reach it"),
+    "grad_clip": (0, None, "0: no clipping"),
+    "off_policy_mask": (0, None, "a rise in cross-entropy, in nats"),
+}
+# Where infinity would read as "off", the flag has its own spelling of off.
+OFF_SPELLING = {"grad_clip": "; no clipping is --grad-clip 0",
+                "off_policy_mask": "; no mask is no --off-policy-mask",
+                "warmup_target": "; no warm-up is --warmup-max-steps 0"}
+
+
+def flag_of(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
 def validate(cfg: Config) -> None:
-    """Raise BadInput for anything the run would choke on later."""
+    """Raise BadInput for anything the run would choke on later: every flag is checked here, before
+    a model is built or a file written."""
     if cfg.loss not in LOSSES:
         raise BadInput(f"unknown --loss {cfg.loss!r}; choose one of {', '.join(LOSSES)}")
     if cfg.task not in TASKS:
         raise BadInput(f"unknown --task {cfg.task!r}; choose one of {', '.join(TASKS)}")
     if cfg.device not in ("auto", "cpu", "cuda"):
         raise BadInput(f"unknown --device {cfg.device!r}; choose auto, cpu or cuda")
-    if cfg.group_size < 2:
-        raise BadInput(f"--group-size must be at least 2 (advantages compare responses), got {cfg.group_size}")
+    for f in dataclasses.fields(cfg):        # every number finite: argparse's float() takes nan and inf
+        value = getattr(cfg, f.name)
+        if isinstance(value, float) and not math.isfinite(value):
+            raise BadInput(f"{flag_of(f.name)} must be a finite number, got {value}"
+                           f"{OFF_SPELLING.get(f.name, '')}")
+    for name, (low, high, why) in FLAG_RANGES.items():
+        value = getattr(cfg, name)
+        if value is not None and not ((low is None or value >= low) and (high is None or value <= high)):
+            where = f"at least {low}" if high is None else f"between {low} and {high}"
+            raise BadInput(f"{flag_of(name)} must be {where} ({why}), got {value}")
     for name, default, eps in zip(("--eps-low", "--eps-high"), DEFAULT_EPS[cfg.loss], resolved_eps(cfg)):
         if default is None and eps is not None:
             raise BadInput(f"--loss {cfg.loss} has no {name} (tutorial section 10)")
@@ -1458,25 +1520,25 @@ def validate(cfg: Config) -> None:
                        "own (tutorial section 10)")
     if cfg.scale_rewards not in ("group", "none"):
         raise BadInput(f"unknown --scale-rewards {cfg.scale_rewards!r}; choose group or none")
-    if cfg.off_policy_mask is not None and not cfg.off_policy_mask >= 0:
-        raise BadInput(f"--off-policy-mask is a threshold in nats and cannot be negative, got "
-                       f"{cfg.off_policy_mask}")
-    for name in ("steps", "max_new_tokens", "prompts_per_step", "minibatches", "warmup_batch",
-                 "eval_every", "val_size", "test_size"):
-        if getattr(cfg, name) <= 0:
-            raise BadInput(f"--{name.replace('_', '-')} must be positive, got {getattr(cfg, name)}")
-    for name in ("lr", "warmup_lr"):
-        if not getattr(cfg, name) > 0:
-            raise BadInput(f"--{name.replace('_', '-')} must be positive, got {getattr(cfg, name)}")
-    if not cfg.temperature > 0:
-        raise BadInput(f"--temperature must be positive (at 0 all G completions of a prompt are "
-                       f"the same, so every group is flat), got {cfg.temperature}")
-    if cfg.warmup_max_steps < 0 or cfg.threads < 0:
-        raise BadInput("--warmup-max-steps and --threads cannot be negative")
+    if cfg.prompts_per_step * cfg.group_size > MAX_ROLLOUT:
+        raise BadInput(f"--prompts-per-step x --group-size is {cfg.prompts_per_step * cfg.group_size} "
+                       f"completions per rollout; at most {MAX_ROLLOUT}")
+    for name in ("lr", "warmup_lr"):          # above 1 nothing learnt survives a step, and a huge lr
+        if not 0 < getattr(cfg, name) <= 1:   # overflows the weights through AdamW's weight decay alone
+            raise BadInput(f"{flag_of(name)} must lie in (0, 1] (each AdamW step moves every weight by "
+                           f"about this much), got {getattr(cfg, name)}")
+    if not 0.01 <= cfg.temperature <= 100:
+        raise BadInput(f"--temperature must lie in [0.01, 100] (below, every completion of a prompt is "
+                       f"the greedy one and every group flat; above, sampling is noise), got "
+                       f"{cfg.temperature}")
     n = problem_count(cfg.task)
-    if cfg.test_size + cfg.val_size > n // 2:
-        raise BadInput(f"--test-size + --val-size must be at most {n // 2} for {cfg.task} "
-                       f"(half of its {n} problems), got {cfg.test_size + cfg.val_size}")
+    if cfg.test_size + cfg.val_size > min(n // 2, MAX_HELD_OUT):
+        raise BadInput(f"--test-size + --val-size must be at most {min(n // 2, MAX_HELD_OUT)} for "
+                       f"{cfg.task} (half of its {n} problems, and at most {MAX_HELD_OUT}), got "
+                       f"{cfg.test_size + cfg.val_size}")
+    if not cfg.model and cfg.max_new_tokens > MAX_NEW_TOKENS_BUILT_IN:
+        raise BadInput(f"--max-new-tokens must be at most {MAX_NEW_TOKENS_BUILT_IN} for the built-in "
+                       f"model (each token is a position), got {cfg.max_new_tokens}")
     if cfg.task == "add2-chat" and not cfg.model:
         raise BadInput("--task add2-chat asks in words: it needs a pretrained --model, not the "
                        "built-in character tokenizer")
@@ -1489,6 +1551,7 @@ def validate(cfg: Config) -> None:
     problem = out_problem(cfg.out)
     if problem:
         raise BadInput(problem)
+    positions = None                          # the --model's positions, where its config says
     if cfg.model.endswith(".gguf"):
         if not os.path.isfile(cfg.model):
             raise BadInput(f"--model {cfg.model}: no such file")
@@ -1501,10 +1564,19 @@ def validate(cfg: Config) -> None:
             raise BadInput(f"--model {cfg.model}: no such folder")
         try:                                  # a hub id: one cheap config fetch tells if it resolves
             from transformers import AutoConfig
-            AutoConfig.from_pretrained(cfg.model)
+            positions = getattr(AutoConfig.from_pretrained(cfg.model), "max_position_embeddings", None)
         except Exception as err:              # offline, unknown id, no access: one line, no traceback
             raise BadInput(f"--model {cfg.model}: cannot load ({type(err).__name__}); "
                            "pass a local folder or check the name and your connection") from None
+    elif cfg.model:
+        try:
+            with open(os.path.join(cfg.model, "config.json")) as f:
+                positions = json.load(f).get("max_position_embeddings")
+        except (OSError, ValueError, AttributeError):
+            pass
+    if isinstance(positions, int) and cfg.max_new_tokens >= positions:
+        raise BadInput(f"--max-new-tokens {cfg.max_new_tokens} leaves no room for a prompt in the "
+                       f"{positions} positions of --model {cfg.model}")
 
 
 def pick_device(cfg: Config) -> torch.device:

@@ -66,6 +66,42 @@ def test_metrics_has_one_object_per_rl_step_with_every_logged_field(tiny_run):
     assert [r["step"] for r in rl if "val_acc" in r] == [2, 4]
 
 
+def strict_json(text: str):
+    """json.loads that refuses NaN and Infinity, which JSON does not have (Python writes them unless
+    told not to)."""
+    def refuse(name):
+        raise ValueError(f"{name} is not JSON")
+    return json.loads(text, parse_constant=refuse)
+
+
+# every JSON a study writes goes through common.write_json; these still hold a json.dump or
+# json.dumps of their own without allow_nan=False (issue 18, class 6): remove each as it is fixed
+NOT_YET_STRICT = {"studies/gpu_check.py", "studies/long.py", "studies/pretrained.py", "studies/speed.py",
+                  "studies/trl_compare.py"}
+
+
+def test_every_json_the_project_writes_is_strict(tiny_run):
+    import ast
+    import glob
+    loose = {}
+    for path in ["gspo_minimal.py", *sorted(glob.glob("studies/*.py"))]:
+        tree = ast.parse(open(os.path.join(HERE, path)).read())
+        calls = [node for node in ast.walk(tree) if isinstance(node, ast.Call)
+                 and isinstance(node.func, ast.Attribute) and node.func.attr in ("dump", "dumps")
+                 and isinstance(node.func.value, ast.Name) and node.func.value.id == "json"]
+        strict = [any(k.arg == "allow_nan" and isinstance(k.value, ast.Constant) and k.value.value is False
+                      for k in call.keywords) for call in calls]
+        if not all(strict):
+            loose[path] = [call.lineno for call, ok in zip(calls, strict) if not ok]
+    assert set(loose) == NOT_YET_STRICT, loose
+    out, _ = tiny_run                                         # and what a run wrote is strict JSON
+    strict_json(open(os.path.join(out, "summary.json")).read())
+    for line in open(os.path.join(out, "metrics.jsonl")):
+        strict_json(line)
+    assert g.finite_or_null({"a": [1.0, float("nan")], "b": (float("inf"), "x")}) == {"a": [1.0, None],
+                                                                                    "b": [None, "x"]}
+
+
 def test_checkpoint_reloads_with_auto_classes_and_scores_the_same(tiny_run):
     from transformers import AutoModelForCausalLM, AutoTokenizer
     out, summary = tiny_run
@@ -206,6 +242,44 @@ BAD = {
     "aggregation for a relative": ["--loss", "cispo", "--aggregation", "dapo"],
     "unknown reward scaling": ["--scale-rewards", "batch"],
 }
+# Every numeric flag is finite and in its range (validate's FLAG_RANGES and the checks after it).
+BAD_NUMBERS = {
+    "lr nan": ["--lr", "nan"],
+    "lr inf": ["--lr", "inf"],
+    "warm-up lr inf": ["--warmup-lr", "inf"],
+    "warm-up lr zero": ["--warmup-lr", "0"],
+    "temperature inf": ["--temperature", "inf"],
+    "temperature nan": ["--temperature", "nan"],
+    "temperature that overflows the logits": ["--temperature", "1e-30"],
+    "temperature of pure noise": ["--temperature", "1e6"],
+    "gspo eps_low nan": ["--eps-low", "nan"],
+    "grpo eps_high inf": ["--loss", "grpo", "--eps-high", "inf"],
+    "gmpo width inf": ["--loss", "gmpo", "--eps-high", "inf"],
+    "cispo cap inf": ["--loss", "cispo", "--eps-high", "inf"],
+    "off-policy mask inf": ["--off-policy-mask", "inf"],
+    "off-policy mask nan": ["--off-policy-mask", "nan"],
+    "grad clip inf": ["--grad-clip", "inf"],
+    "grad clip negative": ["--grad-clip", "-1"],
+    "warm-up target above 1": ["--warmup-target", "1.5"],
+    "warm-up target nan": ["--warmup-target", "nan"],
+    "warm-up target negative": ["--warmup-target", "-0.1"],
+    "negative seed": ["--seed", "-1"],
+    "seed beyond torch's range": ["--seed", str(2 ** 64)],
+    "threads beyond reason": ["--threads", "100000"],
+    "negative threads": ["--threads", "-1"],
+    "negative warm-up steps": ["--warmup-max-steps", "-1"],
+    "steps beyond reason": ["--steps", "100000000"],
+    "zero eval-every": ["--eval-every", "0"],
+    "zero minibatches": ["--minibatches", "0"],
+    "zero warm-up batch": ["--warmup-batch", "0"],
+    "warm-up batch beyond reason": ["--warmup-batch", "10000000"],
+    "group size beyond reason": ["--group-size", "1000000"],
+    "rollout beyond reason": ["--prompts-per-step", "4096", "--group-size", "64"],
+    "more new tokens than the built-in model's positions": ["--max-new-tokens", "100000"],
+    "held-out sets beyond reason": ["--task", "addwork", "--test-size", "1000000"],
+    "zero validation problems": ["--val-size", "0"],
+}
+BAD.update(BAD_NUMBERS)
 
 
 @pytest.mark.parametrize("argv", BAD.values(), ids=BAD.keys())
@@ -218,6 +292,12 @@ def test_bad_input_gets_one_line_and_exit_2(argv, tmp_path, capsys):
     assert len(lines) == 1 and lines[0].startswith("gspo_minimal.py: error:"), cap.err
     assert "Traceback" not in cap.err and cap.out == ""
     assert not out.exists() and time.perf_counter() - t0 < 5
+
+
+def test_max_new_tokens_beyond_a_models_positions_is_bad_input(tiny_run, tmp_path, capsys):
+    start = os.path.join(tiny_run[0], "checkpoint")           # the built-in model: 64 positions
+    code, cap = run_main(["--model", start, "--max-new-tokens", "64", "--out", str(tmp_path / "x")], capsys)
+    assert code == 2 and "64 positions" in cap.err and len(cap.err.strip().splitlines()) == 1
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")

@@ -126,7 +126,9 @@ def write_json(path: str, data: dict, command: str, seconds: float) -> None:
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     record = {**g.provenance(command, seconds), **data}     # before `open` empties a tracked file,
     with open(path, "w") as f:                              # which would read as a dirty tree
-        json.dump(record, f, indent=2)
+        # strict JSON: a number a study could not measure (a median of no runs, the variance of one
+        # answer, an overflowing perplexity) is NaN or inf in Python and null in the file
+        json.dump(g.finite_or_null(record), f, indent=2, allow_nan=False)
 
 
 @functools.cache
