@@ -905,6 +905,7 @@ def warmup(model, tokenizer, splits, cfg: Config, device, rng: random.Random, ru
                                sample_train_problems(splits, cfg.task, cfg.warmup_batch, rng), device)
         opt.zero_grad(set_to_none=True)
         loss.backward()
+        stop_if_not_finite(f"warm-up step {step}", loss, model)   # before the update reaches the weights
         opt.step()
         if step % 20 == 0:       # supervised accuracy jumps suddenly: look often, it costs little
             val_acc = accuracy(model, tokenizer, cfg.task, splits["val"], cfg.max_new_tokens, device)
@@ -1035,6 +1036,7 @@ def rl_update(model, opt, batch: dict, cfg: Config, eps_low: float, eps_high: fl
                           aggregation=cfg.aggregation, max_tokens=cfg.max_new_tokens)
         opt.zero_grad(set_to_none=True)
         loss.backward()
+        stop_if_not_finite(f"minibatch {k + 1} of {len(chunks)} of the next step", loss, model)
         if cfg.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
         opt.step()
@@ -1075,15 +1077,18 @@ def train(cfg: Config, model, tokenizer, device, run, stop) -> dict:
     `run` writes the run folder (`run.log`, `run.checkpoint`, `run.write_summary`) and `stop`
     turns `stop.requested` true after a Ctrl-C: plumbing, both defined after `main`. The run ends
     between steps; a second Ctrl-C (KeyboardInterrupt) ends it at once. Either way a final
-    checkpoint and the test accuracy follow. Returns what summary.json holds.
+    checkpoint and the test accuracy follow. A step whose loss or gradient is not finite ends it
+    too (`Diverged`, raised before that update is taken), without either: its last checkpoint
+    stays its result and `stop_reason` says why. Returns what summary.json holds.
     """
     splits = make_splits(cfg.task, cfg.test_size, cfg.val_size)
     rng = random.Random(cfg.seed)                  # training prompts; the held-out splits are fixed
     eps_low, eps_high = resolved_eps(cfg)
     G = cfg.group_size
     summary = {"seed": cfg.seed, "loss": cfg.loss, "eps_low": eps_low, "eps_high": eps_high,
-               "warmup_steps": None, "accuracy_before_rl": None, "interrupted": False,
-               "rl_steps": 0, "rl_tokens": 0, "rl_seconds": 0.0, "config": dataclasses.asdict(cfg)}
+               "warmup_steps": None, "accuracy_before_rl": None, "accuracy_after_rl": None,
+               "interrupted": False, "stop_reason": None, "rl_steps": 0, "rl_tokens": 0,
+               "rl_seconds": 0.0, "config": dataclasses.asdict(cfg)}
     try:
         # 1. Supervised warm-up until validation accuracy reaches cfg.warmup_target; then the test
         #    accuracy it reached and the first checkpoint (the run folder appears in --out here).
@@ -1126,15 +1131,21 @@ def train(cfg: Config, model, tokenizer, device, run, stop) -> dict:
             run.log({"stage": "rl", "step": step, **m}, progress_line(step, cfg, m))
     except KeyboardInterrupt:                            # the second Ctrl-C: stop where we are
         pass
+    except Diverged as err:                              # a non-finite loss or gradient: stop here
+        summary["stop_reason"] = str(err)
 
-    # 3. The end, after Ctrl-C too: a final checkpoint, and the final model's test accuracy.
+    # 3. The end, after Ctrl-C too: a final checkpoint, and the final model's test accuracy. Not
+    #    after a non-finite step, nor with a non-finite weight (an update with a finite loss and
+    #    gradient can still overflow one): the last checkpoint, all finite, is the run's result.
     summary["interrupted"] = stop.requested
+    summary["stop_reason"] = summary["stop_reason"] or non_finite_weights(model)
     if stop.requested:
         print("interrupted: writing a final checkpoint and summary.json", file=sys.stderr)
-    # a run stopped in its warm-up stays in <out>.incomplete: an earlier run in --out is kept
-    run.checkpoint(model, tokenizer, promote=summary["accuracy_before_rl"] is not None)
-    summary["accuracy_after_rl"] = accuracy(model, tokenizer, cfg.task, splits["test"],
-                                            cfg.max_new_tokens, device)
+    if summary["stop_reason"] is None:
+        # a run stopped in its warm-up stays in <out>.incomplete: an earlier run in --out is kept
+        run.checkpoint(model, tokenizer, promote=summary["accuracy_before_rl"] is not None)
+        summary["accuracy_after_rl"] = accuracy(model, tokenizer, cfg.task, splits["test"],
+                                                cfg.max_new_tokens, device)
     summary["rl_tokens_per_second"] = summary["rl_tokens"] / max(summary["rl_seconds"], 1e-9)
     summary["wall_seconds"] = time.perf_counter() - run.t_start     # the whole run, set-up included
     run.write_summary(summary)
@@ -1143,7 +1154,7 @@ def train(cfg: Config, model, tokenizer, device, run, stop) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     """Parse the flags (bad input: one line, exit 2), build the model, train, report.
-    Exit code 0, or 130 when Ctrl-C ended the run."""
+    Exit code 0, 130 when Ctrl-C ended the run, or 2 when a non-finite step did (one line)."""
     t_start = time.perf_counter()
     argv = sys.argv[1:] if argv is None else list(argv)
     try:
@@ -1162,6 +1173,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     with GracefulStop() as stop:
         summary = train(cfg, model, tokenizer, device, run, stop)
+    if summary["stop_reason"]:
+        print(f"gspo_minimal.py: error: {diverged_line(summary, run)}", file=sys.stderr)
+        return 2
     print(final_line(summary, run, "RL"), flush=True)
     return 130 if summary["interrupted"] else 0
 
@@ -1293,6 +1307,9 @@ class Run:
     def checkpoint(self, model, tokenizer, promote: bool = True) -> None:
         """A complete checkpoint in the run folder; the first one (with `promote`) makes the run
         folder `<out>`."""
+        problem = non_finite_weights(model)
+        if problem:                             # never saved, so never promoted over a finite run
+            raise Diverged(problem)
         tmp = os.path.join(self.dir, "checkpoint.tmp")
         shutil.rmtree(tmp, ignore_errors=True)
         model.save_pretrained(tmp)
@@ -1334,6 +1351,15 @@ def final_line(summary: dict, run: Run, trained_by: str) -> str:
             f"{summary['wall_seconds']:.0f} s | {where}/summary.json")
 
 
+def diverged_line(summary: dict, run: Run) -> str:
+    """A diverged run's one line: where it stopped, why, and what it kept."""
+    kept = (f"its last checkpoint, all finite, is {run.given}/checkpoint" if run.promoted else
+            f"no checkpoint was written (an earlier run in {run.given} is untouched)")
+    where = run.given if run.promoted else run.given + ".incomplete"
+    return (f"stopped after {summary['rl_steps']} RL steps: {summary['stop_reason']}; {kept}; "
+            f"{where}/summary.json says so")
+
+
 def provenance(command: str, seconds: float | None) -> dict:
     """command, seconds, measured_at_commit (+ dirty), versions, threads: what made a result."""
     import platform
@@ -1359,6 +1385,28 @@ def provenance(command: str, seconds: float | None) -> dict:
     if out["measured_at_commit"] and git("status", "--porcelain"):
         out["dirty"] = True
     return out
+
+
+# --- A diverged run: a non-finite loss or gradient stops it before the update is taken ----------
+class Diverged(Exception):
+    """A non-finite loss, gradient norm or weight: the run stops, and keeps its last checkpoint."""
+
+
+def stop_if_not_finite(where: str, loss: torch.Tensor, model) -> None:
+    """Raise Diverged unless the loss and the gradient norm (before any clipping) are finite.
+    Called between backward and the optimiser step, so that the weights never take such a step;
+    the check reads the gradients and changes nothing."""
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm(grads).item() if grads else 0.0
+    if not (math.isfinite(loss.item()) and math.isfinite(norm)):
+        raise Diverged(f"{where} has loss {loss.item():.4g} and gradient norm {norm:.4g} (a "
+                       "learning rate too high?)")
+
+
+def non_finite_weights(model) -> str | None:
+    """Why the model's weights cannot be saved (some are NaN or infinite), or None."""
+    bad = [name for name, p in model.named_parameters() if not torch.isfinite(p).all()]
+    return f"{len(bad)} weight tensors are not finite, {bad[0]} the first" if bad else None
 
 
 # --- Ctrl-C -----------------------------------------------------------------------------------

@@ -213,6 +213,54 @@ def test_ctrl_c_in_the_warm_up_keeps_an_earlier_run(tmp_path):
         assert json.load(f)["interrupted"] is True       # the stopped one is kept beside it
 
 
+# --- a non-finite step: one line, exit code 2, the last finite checkpoint kept ------------------
+def nan_from_call(fn, n):
+    """`fn` whose n-th call and every later one return NaN (times its result: the graph stays)."""
+    calls = []
+
+    def wrapped(*args, **kwargs):
+        calls.append(1)
+        value = fn(*args, **kwargs)
+        return value * float("nan") if len(calls) >= n else value
+    return wrapped
+
+
+def test_a_non_finite_step_stops_the_run_and_keeps_the_last_finite_checkpoint(tiny_run, tmp_path, capsys,
+                                                                               monkeypatch):
+    from safetensors.torch import load_file
+    start, out = os.path.join(tiny_run[0], "checkpoint"), tmp_path / "r"
+    # RL step 3's first minibatch (the 5th loss, 2 minibatches a step) is NaN: the run stops there,
+    # and the checkpoint of step 2 (--eval-every 2) stays its result
+    monkeypatch.setattr(g, "loss_value", nan_from_call(g.loss_value, 5))
+    code, cap = run_main(TINY + ["--model", start, "--warmup-max-steps", "0", "--out", str(out)], capsys)
+    assert code == 2 and len(cap.err.strip().splitlines()) == 1 and "Traceback" not in cap.err, cap.err
+    assert cap.err.startswith("gspo_minimal.py: error: stopped after 2 RL steps: minibatch 1 of 2 of "
+                              "the next step has loss nan"), cap.err
+    summary = strict_json((out / "summary.json").read_text())
+    assert summary["rl_steps"] == 2 and summary["accuracy_after_rl"] is None
+    assert summary["stop_reason"].startswith("minibatch 1 of 2")
+    assert [strict_json(line)["step"] for line in open(out / "metrics.jsonl")] == [1, 2]
+    weights = load_file(out / "checkpoint" / "model.safetensors")
+    assert all(torch.isfinite(w).all() for w in weights.values())
+    # the warm-up's guard: a diverged warm-up writes no checkpoint and leaves the earlier run alone
+    monkeypatch.setattr(g, "supervised_loss", nan_from_call(g.supervised_loss, 2))
+    before = snapshot(out), snapshot(out / "checkpoint")
+    code, cap = run_main(TINY + ["--warmup-batch", "8", "--out", str(out)], capsys)
+    assert code == 2 and len(cap.err.strip().splitlines()) == 1 and "untouched" in cap.err, cap.err
+    assert (snapshot(out), snapshot(out / "checkpoint")) == before
+    stopped = tmp_path / "r.incomplete"
+    assert "checkpoint" not in os.listdir(stopped)
+    assert strict_json((stopped / "summary.json").read_text())["stop_reason"].startswith("warm-up step 2")
+    # and a model with a non-finite weight is never saved, let alone promoted
+    tok = g.build_char_tokenizer()
+    model = g.build_tiny_model(tok)
+    with torch.no_grad():
+        model.lm_head.weight[0, 0] = float("nan")
+    with pytest.raises(g.Diverged):
+        g.Run(str(tmp_path / "nan")).checkpoint(model, tok)
+    assert not (tmp_path / "nan").exists()
+
+
 # --- bad input: one line on stderr, exit code 2, before any heavy work -------------------------
 BAD = {
     "group size 1": ["--group-size", "1"],
