@@ -1159,10 +1159,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     try:
         cfg = parse_config(argv)
+        device, model, tokenizer = prepare(cfg)      # a --model that cannot be loaded: BadInput too
     except BadInput as err:
         print(f"gspo_minimal.py: error: {err}", file=sys.stderr)
         return 2
-    device, model, tokenizer = prepare(cfg)
     n_params = sum(p.numel() for p in model.parameters())
     print(f"{cfg.loss} | {type(model).__name__} {n_params / 1e6:.2f}M params | {cfg.task} | "
           f"device {device} | seed {cfg.seed} | out {cfg.out}", flush=True)
@@ -1600,9 +1600,11 @@ def validate(cfg: Config) -> None:
     if problem:
         raise BadInput(problem)
     positions = None                          # the --model's positions, where its config says
+    if cfg.model and (cfg.model.endswith(".gguf") or os.path.lexists(cfg.model)):
+        problem = local_model_problem(cfg.model)
+        if problem:
+            raise BadInput(f"--model {cfg.model}: {problem}")
     if cfg.model.endswith(".gguf"):
-        if not os.path.isfile(cfg.model):
-            raise BadInput(f"--model {cfg.model}: no such file")
         import importlib.util
         if importlib.util.find_spec("gguf") is None:
             raise BadInput(f"--model {cfg.model}: a .gguf file needs the gguf package "
@@ -1627,6 +1629,48 @@ def validate(cfg: Config) -> None:
                        f"{positions} positions of --model {cfg.model}")
 
 
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                "pytorch_model.bin.index.json")
+
+
+def local_model_problem(path: str) -> str | None:
+    """Why the local --model `path` (a .gguf file, or a folder as save_pretrained writes it) cannot
+    be loaded, as far as a look at its files tells; None when it looks loadable. What only loading
+    finds (truncated weights, a corrupt GGUF body) `prepare` reports in one line as well."""
+    if path.endswith(".gguf"):
+        if not os.path.isfile(path):
+            return "no such file"
+        with open(path, "rb") as f:
+            magic = f.read(4)
+        return (None if magic == b"GGUF" else "the file is empty" if not magic else
+                f"not a GGUF file (a GGUF file starts with the bytes GGUF, this one with {magic!r})")
+    if not os.path.isdir(path):
+        return "not a folder (a --model path is a save_pretrained folder or a .gguf file)"
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        return "no config.json in it (a model folder is what save_pretrained writes)"
+    try:
+        with open(os.path.join(path, "config.json")) as f:
+            config = json.load(f)
+    except (OSError, ValueError) as err:
+        return f"its config.json cannot be read ({type(err).__name__}: {err})"
+    if not isinstance(config, dict) or "model_type" not in config:
+        return "its config.json names no model_type"
+    if not any(os.path.exists(os.path.join(path, name)) for name in WEIGHT_FILES):
+        return f"no weights in it (none of {', '.join(WEIGHT_FILES)})"
+    return None
+
+
+def unwritable_characters(tokenizer, task: str) -> str:
+    """The characters of the task's prompts and solutions that `tokenizer` cannot write (each one
+    encoded alone and decoded again), e.g. '|' for an add2 checkpoint on addwork: an answer it
+    cannot write can never earn a reward."""
+    rng = random.Random(DATA_SEED)
+    text = "".join(prompt_text(task, a, b) + solution_text(task, a, b)
+                   for a, b in (draw_problem(task, rng) for _ in range(50)))
+    return "".join(c for c in sorted(set(text)) if not c.isspace() and tokenizer.decode(
+        tokenizer(c, add_special_tokens=False).input_ids, skip_special_tokens=True).strip() != c)
+
+
 def pick_device(cfg: Config) -> torch.device:
     if cfg.device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -1634,14 +1678,26 @@ def pick_device(cfg: Config) -> torch.device:
 
 
 def prepare(cfg: Config):
-    """Threads, seed and device, then the model and tokenizer (`build`): how every run begins."""
+    """Threads, seed and device, then the model and tokenizer (`build`): how every run begins.
+    A --model that fails to load, or whose tokenizer cannot write the task, is BadInput."""
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     from transformers.utils import logging as hf_logging
     hf_logging.disable_progress_bar()       # no "Writing model shards" bar at every checkpoint
     torch.manual_seed(cfg.seed)
     device = pick_device(cfg)
-    return (device, *build(cfg, device))
+    try:
+        model, tokenizer = build(cfg, device)
+    except Exception as err:       # what only loading finds (truncated weights, a corrupt GGUF body)
+        if not cfg.model:
+            raise
+        reason = (str(err).strip().splitlines() or [""])[0][:200]
+        raise BadInput(f"--model {cfg.model}: cannot load it ({type(err).__name__}: {reason})") from None
+    missing = unwritable_characters(tokenizer, cfg.task) if cfg.model else ""
+    if missing:
+        raise BadInput(f"--model {cfg.model}: its tokenizer cannot write {missing!r}, which --task "
+                       f"{cfg.task} needs (a checkpoint of another task?)")
+    return device, model, tokenizer
 
 
 if __name__ == "__main__":

@@ -348,6 +348,51 @@ def test_max_new_tokens_beyond_a_models_positions_is_bad_input(tiny_run, tmp_pat
     assert code == 2 and "64 positions" in cap.err and len(cap.err.strip().splitlines()) == 1
 
 
+# --- a --model that cannot be loaded: one line that names it and the reason, exit 2 ------------
+def files(tmp, spec: dict, model: str) -> list[str]:
+    """Write `spec` (path -> bytes; None: an empty folder) under tmp; the argv naming tmp/model."""
+    for rel, data in spec.items():
+        path = tmp / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.mkdir() if data is None else path.write_bytes(data)
+    return ["--model", str(tmp / model)]
+
+
+def truncated(tmp, checkpoint: str) -> list[str]:
+    """A copy of `checkpoint` whose weights file stops half-way, as an interrupted copy leaves it."""
+    import shutil
+    shutil.copytree(checkpoint, tmp / "m")
+    weights = tmp / "m" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:weights.stat().st_size // 2])
+    return ["--model", str(tmp / "m")]
+
+
+UNLOADABLE = {   # case -> (tmp_path, a trained add2 checkpoint) -> the argv
+    "empty .gguf": lambda tmp, ckpt: files(tmp, {"m.gguf": b""}, "m.gguf"),
+    "text file named .gguf": lambda tmp, ckpt: files(tmp, {"m.gguf": b"a text file\n"}, "m.gguf"),
+    "empty folder": lambda tmp, ckpt: files(tmp, {"m": None}, "m"),
+    "config.json, no weights": lambda tmp, ckpt: files(tmp, {"m/config.json": b'{"model_type": "llama"}'}, "m"),
+    "garbage config.json": lambda tmp, ckpt: files(tmp, {"m/config.json": b"{not json",
+                                                         "m/model.safetensors": b""}, "m"),
+    "config.json without model_type": lambda tmp, ckpt: files(tmp, {"m/config.json": b"[]"}, "m"),
+    "a file, not a folder": lambda tmp, ckpt: files(tmp, {"m.bin": b"weights?"}, "m.bin"),
+    "truncated weights": lambda tmp, ckpt: truncated(tmp, ckpt),
+    "an add2 checkpoint for addwork": lambda tmp, ckpt: ["--model", ckpt, "--task", "addwork",
+                                                         "--max-new-tokens", "32"],
+}
+
+
+@pytest.mark.parametrize("make", UNLOADABLE.values(), ids=UNLOADABLE.keys())
+def test_a_model_that_cannot_be_loaded_gets_one_line_and_exit_2(make, tiny_run, tmp_path, capsys):
+    argv = make(tmp_path, os.path.join(tiny_run[0], "checkpoint"))
+    out = tmp_path / "never"
+    code, cap = run_main(TINY + argv + ["--out", str(out)], capsys)
+    lines = cap.err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and "Traceback" not in cap.err and cap.out == "", cap.err
+    assert lines[0].startswith(f"gspo_minimal.py: error: --model {argv[1]}: "), lines[0]
+    assert not out.exists() and not (tmp_path / "never.incomplete").exists()
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
 def test_device_cuda_without_cuda_is_bad_input(tmp_path, capsys):
     code, cap = run_main(["--device", "cuda", "--out", str(tmp_path / "x")], capsys)
