@@ -79,6 +79,9 @@ def cli(main):
         except (StudyFailed, g.BadInput) as err:
             print(f"{name}: error: {err}", file=sys.stderr, flush=True)
             return getattr(err, "code", 2)
+        except g.Diverged as err:          # a warm-up or update of the study's own went non-finite
+            print(f"{name}: error: {err}", file=sys.stderr, flush=True)
+            return 1
         finally:
             os.chdir(started_in)
             started_in = outer

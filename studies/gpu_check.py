@@ -94,7 +94,7 @@ def gpu_check(device: str = "cuda", steps: int = 40, tiny: bool = False) -> dict
             return
         res["checks"][name] = {**value, "seconds": time.perf_counter() - start,
                                "peak_gpu_mib": torch.cuda.max_memory_allocated() / 2 ** 20 if cuda else None}
-        print(f"{name}: {json.dumps(res['checks'][name])}", flush=True)
+        print(f"{name}: {json.dumps(g.finite_or_null(res['checks'][name]), allow_nan=False)}", flush=True)
 
     def run(argv, out):
         code = g.main(argv + ["--device", device, "--out", out])

@@ -153,7 +153,7 @@ def cached(path: str, fn):
             return json.load(f)
     res = fn()
     with open(path, "w") as f:
-        json.dump(res, f, indent=2)
+        json.dump(res, f, indent=2, allow_nan=False)
     return res
 
 

@@ -508,7 +508,7 @@ def redraw(path: str | None = None) -> None:
     except (OSError, ValueError, KeyError, TypeError, IndexError) as err:
         fail(f"cannot redraw from {path}: {type(err).__name__}: {err}".splitlines()[0])
     with open(path, "w") as f:
-        json.dump(r, f, indent=2)
+        json.dump(r, f, indent=2, allow_nan=False)
     plot_pretrained(r)
 
 

@@ -184,7 +184,7 @@ def main(argv=None) -> int:
                  f"{{{','.join(LOGPROB_DTYPES)}}}")
         if argv[1] == "trl":
             need("trl", "the trl variant", "pip install -r requirements-trl.txt")
-        print(json.dumps(logprobs_variant(argv[1], argv[2])))
+        print(json.dumps(g.finite_or_null(logprobs_variant(argv[1], argv[2])), allow_nan=False))
         return 0
     parser = Parser(description=__doc__.splitlines()[0])
     parser.add_argument("what", choices=["sampler", "logprobs"])

@@ -402,7 +402,7 @@ def bench_side(argv: list[str]) -> int:
     result = {**g.provenance(f"python studies/trl_compare.py _side {side}", result.get("train_seconds")),
               **result}
     with open(out, "w") as f:
-        json.dump(result, f)
+        json.dump(result, f, allow_nan=False)
     return 0
 
 
@@ -470,7 +470,7 @@ def bench_main(argv: list[str]) -> int:
                             bench["bench_seconds"]), **bench}      # bench's own `threads` wins
     for path in (os.path.join(BENCH_DIR, "bench.json"), BENCH_FIGURES_JSON):   # runs/ is not committed
         with open(path, "w") as f:
-            json.dump(bench, f, indent=2)
+            json.dump(bench, f, indent=2, allow_nan=False)
     print_bench(bench)
     return 0
 
