@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import contextlib
 import dataclasses
 import inspect
 import json
@@ -64,6 +65,7 @@ import sys
 import textwrap
 import time
 import typing
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -128,7 +130,8 @@ class Config:
     on-policy"""
     out: str = "runs/train"
     """output folder: metrics.jsonl, summary.json and checkpoint/ (Hugging Face format); the run
-    writes <out>.incomplete until its first checkpoint, and never touches what it did not write"""
+    writes <out>.incomplete until its first checkpoint, holds <out>.lock while it lives (a second
+    run at the same --out is refused), and never touches what it did not write"""
     shuffle_rewards: bool = False
     """control experiment: permute rewards across the rollout, destroying the signal"""
     warmup_lr: float = 1e-3
@@ -1077,9 +1080,10 @@ def train(cfg: Config, model, tokenizer, device, run, stop) -> dict:
     `run` writes the run folder (`run.log`, `run.checkpoint`, `run.write_summary`) and `stop`
     turns `stop.requested` true after a Ctrl-C: plumbing, both defined after `main`. The run ends
     between steps; a second Ctrl-C (KeyboardInterrupt) ends it at once. Either way a final
-    checkpoint and the test accuracy follow. A step whose loss or gradient is not finite ends it
-    too (`Diverged`, raised before that update is taken), without either: its last checkpoint
-    stays its result and `stop_reason` says why. Returns what summary.json holds.
+    checkpoint, the test accuracy (unless another Ctrl-C cuts it short) and summary.json follow.
+    A step whose loss or gradient is not finite ends it too (`Diverged`, raised before that
+    update is taken), without either: its last checkpoint stays its result and `stop_reason`
+    says why. Returns what summary.json holds.
     """
     splits = make_splits(cfg.task, cfg.test_size, cfg.val_size)
     rng = random.Random(cfg.seed)                  # training prompts; the held-out splits are fixed
@@ -1137,18 +1141,21 @@ def train(cfg: Config, model, tokenizer, device, run, stop) -> dict:
     # 3. The end, after Ctrl-C too: a final checkpoint, and the final model's test accuracy. Not
     #    after a non-finite step, nor with a non-finite weight (an update with a finite loss and
     #    gradient can still overflow one): the last checkpoint, all finite, is the run's result.
-    summary["interrupted"] = stop.requested
-    summary["stop_reason"] = summary["stop_reason"] or non_finite_weights(model)
-    if stop.requested:
-        print("interrupted: writing a final checkpoint and summary.json", file=sys.stderr)
-    if summary["stop_reason"] is None:
-        # a run stopped in its warm-up stays in <out>.incomplete: an earlier run in --out is kept
-        run.checkpoint(model, tokenizer, promote=summary["accuracy_before_rl"] is not None)
-        summary["accuracy_after_rl"] = accuracy(model, tokenizer, cfg.task, splits["test"],
-                                                cfg.max_new_tokens, device)
-    summary["rl_tokens_per_second"] = summary["rl_tokens"] / max(summary["rl_seconds"], 1e-9)
-    summary["wall_seconds"] = time.perf_counter() - run.t_start     # the whole run, set-up included
-    run.write_summary(summary)
+    #    From here a Ctrl-C cuts no file in half: it can only cut the final evaluation short.
+    with stop.finishing():
+        summary["stop_reason"] = summary["stop_reason"] or non_finite_weights(model)
+        if stop.requested:
+            print("interrupted: writing a final checkpoint and summary.json", file=sys.stderr)
+        if summary["stop_reason"] is None:
+            # a run stopped in its warm-up stays in <out>.incomplete: an earlier run in --out is kept
+            run.checkpoint(model, tokenizer, promote=summary["accuracy_before_rl"] is not None)
+            summary["accuracy_after_rl"] = stop.cut_short(accuracy, model, tokenizer, cfg.task,
+                                                          splits["test"], cfg.max_new_tokens, device)
+        summary["final_evaluation_interrupted"] = stop.cut    # then accuracy_after_rl is null
+        summary["interrupted"] = stop.requested
+        summary["rl_tokens_per_second"] = summary["rl_tokens"] / max(summary["rl_seconds"], 1e-9)
+        summary["wall_seconds"] = time.perf_counter() - run.t_start  # the whole run, set-up included
+        run.write_summary(summary)
     return summary
 
 
@@ -1163,6 +1170,9 @@ def main(argv: list[str] | None = None) -> int:
     except BadInput as err:
         print(f"gspo_minimal.py: error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:                        # Ctrl-C before the run folder exists
+        print("\ninterrupted before the run began: nothing was written", file=sys.stderr)
+        return 130
     n_params = sum(p.numel() for p in model.parameters())
     print(f"{cfg.loss} | {type(model).__name__} {n_params / 1e6:.2f}M params | {cfg.task} | "
           f"device {device} | seed {cfg.seed} | out {cfg.out}", flush=True)
@@ -1172,11 +1182,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"gspo_minimal.py: error: {err}", file=sys.stderr)
         return 2
     with GracefulStop() as stop:
-        summary = train(cfg, model, tokenizer, device, run, stop)
-    if summary["stop_reason"]:
-        print(f"gspo_minimal.py: error: {diverged_line(summary, run)}", file=sys.stderr)
-        return 2
-    print(final_line(summary, run, "RL"), flush=True)
+        try:
+            summary = train(cfg, model, tokenizer, device, run, stop)
+        finally:
+            run.close()                      # --out is free for the next run
+        if summary["stop_reason"]:
+            print(f"gspo_minimal.py: error: {diverged_line(summary, run)}", file=sys.stderr)
+            return 2
+        print(final_line(summary, run, "RL"), flush=True)
     return 130 if summary["interrupted"] else 0
 
 
@@ -1197,29 +1210,119 @@ def written_by_us(path: str) -> bool:
             and os.path.isfile(os.path.join(path, MARKER)) and set(os.listdir(path)) <= OURS)
 
 
-def live_writer(path: str) -> int | None:
-    """The pid of another live process writing the run folder `path`, or None."""
+try:
+    import fcntl                      # POSIX: a run's lock on its --out (Windows: no lock)
+except ImportError:                   # pragma: no cover
+    fcntl = None
+
+# The longest name save_pretrained writes into a checkpoint folder (model-00001-of-00002.safetensors
+# is 32 bytes), with room to spare: `path_problem` checks that the deepest path a run writes fits.
+CHECKPOINT_NAME_RESERVE = 48
+
+
+def lock_path(out: str) -> str:
+    """`<out>.lock`, beside the run folder: the run writing `out` holds it (flock) for its whole
+    life, warm-up, promotion and final write included; the lock dies with the process."""
+    return os.path.abspath(out) + ".lock"
+
+
+def lock_holder(out: str) -> str | None:
+    """"pid N" of the live run holding `<out>.lock`, or None. Only looks: creates nothing. A lock
+    file left by a run that was killed is not held, so it is taken over."""
     try:
-        with open(os.path.join(path, MARKER)) as f:
-            pid = int(f.read().strip() or 0)
-        if pid and pid != os.getpid():
-            os.kill(pid, 0)                   # raises when no such process
-            return pid
-    except (OSError, ValueError):
-        pass
+        fd = os.open(lock_path(out), os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        if fcntl is None:
+            return None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            return None                            # nobody holds it (closing lets it go again)
+        except BlockingIOError:
+            return f"pid {os.read(fd, 32).decode(errors='replace').strip() or '?'}"
+    finally:
+        os.close(fd)
+
+
+def take_lock(out: str) -> int:
+    """Hold `<out>.lock` (created if need be) and write our pid into it; RuntimeError when a live
+    run holds it. Returns the file descriptor, which `release_lock` closes."""
+    path = lock_path(out)
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        if fcntl is None:
+            break
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.read(fd, 32).decode(errors="replace").strip() or "?"
+            os.close(fd)
+            raise RuntimeError(f"--out {out}: another run (pid {holder}) is writing it; wait for it "
+                               "to end or choose another folder") from None
+        try:                                       # the run that held it may have just removed it:
+            if os.fstat(fd).st_ino == os.stat(path).st_ino:  # then ours is a ghost; open it again
+                break
+        except FileNotFoundError:
+            pass
+        os.close(fd)
+    os.ftruncate(fd, 0)
+    os.write(fd, str(os.getpid()).encode())
+    return fd
+
+
+def release_lock(fd: int, path: str) -> None:
+    """Remove `<out>.lock`, then let the lock go (in that order: nobody can take a removed one)."""
+    with contextlib.suppress(OSError):
+        os.unlink(path)
+    with contextlib.suppress(OSError):
+        os.close(fd)
+
+
+def path_problem(out: str) -> str | None:
+    """Why a name the run will write for `out` is too long for the file system, or None: each new
+    folder on the way, `<out>`, `<out>.incomplete`, `<out>.old` and `<out>.lock` (NAME_MAX bytes
+    each), and the deepest file, `<out>.incomplete/checkpoint.tmp/<a file>` (PATH_MAX)."""
+    parent = os.path.dirname(out)
+    while not os.path.lexists(parent):
+        parent = os.path.dirname(parent)
+
+    def limit(name, fallback):
+        try:
+            return os.pathconf(parent if os.path.isdir(parent) else "/", name)
+        except (OSError, ValueError):
+            return fallback
+    name_max, path_max = limit("PC_NAME_MAX", 255), limit("PC_PATH_MAX", 4096)
+    new = os.path.relpath(os.path.dirname(out), parent).split(os.sep)
+    base = os.path.basename(out)
+    for name in [n for n in new if n != "."] + [base + s for s in ("", ".incomplete", ".old",
+                                                                   ".lock")]:
+        if len(os.fsencode(name)) > name_max:
+            return (f"--out {out}: the name {name[:40]}... that the run writes is "
+                    f"{len(os.fsencode(name))} bytes, longer than the {name_max} this file system "
+                    "allows; choose a shorter --out")
+    deepest = os.path.join(out + ".incomplete", "checkpoint.tmp", "x" * CHECKPOINT_NAME_RESERVE)
+    if len(os.fsencode(deepest)) >= path_max:
+        return (f"--out {out}: the run's deepest file, {out}.incomplete/checkpoint.tmp/..., would be "
+                f"longer than the {path_max} bytes a path may have here; choose a shorter --out")
     return None
 
 
-def out_problem(out: str) -> str | None:
+def out_problem(out: str, check_lock: bool = True) -> str | None:
     """Why `out` cannot hold a run, or None. Checked before the model is built.
 
-    A run writes `<out>.incomplete` first and swaps through `<out>.old`. `out` must be absent, an
-    empty folder or a folder this script wrote (marker, nothing else added); `<out>.incomplete`
-    absent or a leftover of a run of this script that is no longer alive; `<out>.old` absent (only a
-    run killed in the middle of a swap leaves one: it may hold that earlier run); and the nearest
-    existing parent a folder we can write in. Nothing else is ever touched.
+    A run writes `<out>.incomplete` first, swaps through `<out>.old`, and holds `<out>.lock` for
+    its whole life. Every one of these names must fit the file system (`path_problem`); `out` must
+    be absent, an empty folder or a folder this script wrote (marker, nothing else added);
+    `<out>.incomplete` absent or a leftover of this script; `<out>.lock` absent, or ours and held by
+    no live run (`lock_holder`); `<out>.old` absent (only a run killed in the middle of a swap
+    leaves one: it may hold that earlier run); and the nearest existing parent a folder we can
+    write in. Nothing else is ever touched.
     """
     out = os.path.abspath(out)          # `.` and `a/..` name a folder; its siblings sit beside it
+    problem = path_problem(out)
+    if problem:
+        return problem
     if os.path.lexists(out) and not written_by_us(out):
         if os.path.islink(out) or not os.path.isdir(out):
             return f"--out {out} exists and is not a folder; choose a folder path"
@@ -1229,9 +1332,13 @@ def out_problem(out: str) -> str | None:
     if os.path.lexists(incomplete) and not written_by_us(incomplete):
         return (f"--out {out}: {incomplete} exists and this script did not write it; "
                 "move it or choose another folder")
-    pid = live_writer(incomplete)
-    if pid:
-        return f"--out {out}: another run (pid {pid}) is writing it"
+    lock = lock_path(out)
+    if os.path.lexists(lock) and not ours_lock_file(lock):
+        return f"--out {out}: {lock} exists and this script did not write it; move it"
+    holder = lock_holder(out) if check_lock else None
+    if holder:
+        return (f"--out {out}: another run ({holder}) is writing it; wait for it to end or choose "
+                "another folder")
     if os.path.lexists(old):
         return (f"--out {out}: {old} exists (a run stopped in the middle of replacing an earlier "
                 "one leaves it; it may hold that run): move it or delete it")
@@ -1243,6 +1350,15 @@ def out_problem(out: str) -> str | None:
     if not os.access(parent, os.W_OK | os.X_OK):
         return f"--out {out}: cannot create anything in {parent}"
     return None
+
+
+def ours_lock_file(path: str) -> bool:
+    """A regular file holding a pid, or nothing: what `take_lock` writes."""
+    if os.path.islink(path) or not os.path.isfile(path):
+        return False
+    with open(path, "rb") as f:
+        text = f.read(64).strip()
+    return text.isdigit() or not text
 
 
 def remove_ours(path: str) -> None:
@@ -1279,7 +1395,9 @@ def finite_or_null(value):
 class Run:
     """Writes into `<out>.incomplete` until the first checkpoint is complete, then swaps it in for
     `<out>`: an earlier run in `out` survives a new run that dies before its first checkpoint.
-    Only folders marked as this script's are ever replaced or deleted (`out_problem`)."""
+    Only folders marked as this script's are ever replaced or deleted (`out_problem`). It holds
+    `<out>.lock` from its start until `close()` (or until it is collected, or the process ends):
+    a second run at the same --out is refused all that time."""
 
     def __init__(self, out: str, t_start: float | None = None, command: str = ""):
         self.out = os.path.abspath(out)
@@ -1287,13 +1405,16 @@ class Run:
         self.given = os.path.normpath(out)       # as the user wrote it, for messages
         self.t_start = time.perf_counter() if t_start is None else t_start
         self.command = command
-        problem = out_problem(self.out)
+        problem = out_problem(self.out, check_lock=False)
         if problem:
             raise RuntimeError(problem)
+        os.makedirs(os.path.dirname(self.out), exist_ok=True)
+        fd = take_lock(self.out)                # --out is ours until `close` (or the process ends)
+        self.close = weakref.finalize(self, release_lock, fd, lock_path(self.out))
         remove_ours(self.dir)                   # a leftover of a run that was killed
         os.makedirs(self.dir)
         with open(os.path.join(self.dir, MARKER), "w") as f:
-            f.write(str(os.getpid()))           # so that a second run on the same --out refuses
+            f.write(str(os.getpid()))
         self.promoted = False
 
     def log(self, record: dict, line: str | None = None) -> None:
@@ -1344,10 +1465,11 @@ class Run:
 
 def final_line(summary: dict, run: Run, trained_by: str) -> str:
     """A run's last line: its two test accuracies, its time, and where summary.json is."""
-    before = summary["accuracy_before_rl"]
+    before, after = summary["accuracy_before_rl"], summary["accuracy_after_rl"]
     where = run.given if run.promoted else run.given + ".incomplete"
     return (f"test accuracy: {'n/a' if before is None else f'{before:.3f}'} after warm-up -> "
-            f"{summary['accuracy_after_rl']:.3f} after {trained_by} | "
+            f"{'n/a (its evaluation was cut short)' if after is None else f'{after:.3f}'} after "
+            f"{trained_by} | "
             f"{summary['wall_seconds']:.0f} s | {where}/summary.json")
 
 
@@ -1414,11 +1536,14 @@ class GracefulStop:
     """The first Ctrl-C asks the run to stop after the current step; a second one stops at once.
 
     Stopping between steps, rather than wherever KeyboardInterrupt happens to land, never cuts a
-    checkpoint write or a library's worker threads in half.
+    checkpoint write or a library's worker threads in half. Inside `finishing` (the final
+    checkpoint, the final test evaluation, summary.json) no Ctrl-C raises except during
+    `cut_short`, which it ends at once (`cut` turns true): the files are always written.
     """
 
     def __enter__(self):
         self.requested, self.interrupted, self.previous = False, False, None
+        self.final, self.cuttable, self.cut = False, False, False
         try:
             self.previous = signal.signal(signal.SIGINT, self._handle)
         except ValueError:          # not the main thread: Ctrl-C keeps its default behaviour
@@ -1426,16 +1551,33 @@ class GracefulStop:
         return self
 
     def _handle(self, signum, frame):
-        if self.requested and not self.interrupted:
-            self.interrupted = True
+        again, self.requested = self.requested, True
+        if self.cuttable or (again and not self.interrupted and not self.final):
+            self.interrupted, self.cuttable = True, False
             raise KeyboardInterrupt
-        if self.interrupted:                  # the final checkpoint is being written: let it finish
-            print("\nCtrl-C: writing the final checkpoint and summary.json", file=sys.stderr,
-                  flush=True)
-            return
-        self.requested = True
-        print("\nCtrl-C: stopping after this step (press again to stop at once)", file=sys.stderr,
-              flush=True)
+        print("\nCtrl-C: " + ("writing the final checkpoint and summary.json" if again or self.final
+                              else "stopping after this step (press again to stop at once)"),
+              file=sys.stderr, flush=True)
+
+    @contextlib.contextmanager
+    def finishing(self):
+        """The end of the run: from here on a Ctrl-C never raises, except inside `cut_short`."""
+        self.final = True
+        yield self
+
+    def cut_short(self, fn, *args):
+        """`fn(*args)`, or None if a Ctrl-C stops it (then `cut` is true)."""
+        try:
+            self.cuttable = True
+            try:
+                return fn(*args)
+            finally:
+                self.cuttable = False
+        except KeyboardInterrupt:
+            self.cut = True
+            print("\nCtrl-C: the final test evaluation is cut short; writing summary.json",
+                  file=sys.stderr, flush=True)
+            return None
 
     def __exit__(self, *exc):
         if self.previous is not None:

@@ -181,6 +181,7 @@ def test_rerun_replaces_an_earlier_run_only_after_its_first_checkpoint(tmp_path)
     tok = g.build_char_tokenizer()
     model = g.build_tiny_model(tok)
     first.checkpoint(model, tok)
+    first.close()                                          # it ends: --out is free again
     second = g.Run(out)                                    # a new run starts in the same --out
     second.log({"run": 2})
     with open(os.path.join(out, "metrics.jsonl")) as f:
@@ -192,16 +193,17 @@ def test_rerun_replaces_an_earlier_run_only_after_its_first_checkpoint(tmp_path)
 
 
 def test_ctrl_c_in_the_warm_up_keeps_an_earlier_run(tmp_path):
-    from types import SimpleNamespace
     out = str(tmp_path / "r")
     tok = g.build_char_tokenizer()
     model = g.build_tiny_model(tok)
     earlier = g.Run(out)
     earlier.log({"run": 1})
     earlier.checkpoint(model, tok)
+    earlier.close()
     cfg = g.parse_config(TINY + ["--out", out])
-    stopped = SimpleNamespace(requested=True)           # Ctrl-C before the first warm-up step
-    summary = g.train(cfg, model, tok, "cpu", g.Run(out), stopped)
+    with g.GracefulStop() as stopped:
+        stopped.requested = True                        # Ctrl-C before the first warm-up step
+        summary = g.train(cfg, model, tok, "cpu", g.Run(out), stopped)
     assert summary["interrupted"] is True and summary["rl_steps"] == 0
     with open(os.path.join(out, "metrics.jsonl")) as f:
         assert json.loads(f.read())["run"] == 1          # the earlier run is untouched
@@ -418,8 +420,8 @@ FOREIGN = {   # name of --out -> what the user already has there (path relative 
     "marked backup in .old": ("run", {"run.old/.gspo_minimal_run": "", "run.old/metrics.jsonl": "{}"}),
     # a file the user added inside an earlier run makes that folder theirs too
     "user file inside an earlier run": ("run", {"run/.gspo_minimal_run": "", "run/notes.txt": "mine"}),
-    # another live process is writing this --out
-    "live run on the same --out": ("run", {"run.incomplete/.gspo_minimal_run": str(os.getppid())}),
+    # a file of the user's where the run would put its lock
+    "foreign .lock sibling": ("run", {"run.lock": "my notes"}),
 }
 
 
@@ -439,6 +441,52 @@ def test_out_never_touches_what_the_script_did_not_write(out, files, tmp_path, c
         assert (tmp_path / rel).read_text() == text
 
 
+LONG = {   # --out -> why the run cannot write one of the names it derives from it
+    "--out legal, <out>.incomplete too long": ("a" * 250, "a" * 250 + ".incomplete"),
+    "--out itself too long": ("b" * 256, "b" * 256),
+    "a folder on the way too long": ("c" * 300 + "/run", "c" * 300),
+    "the deepest checkpoint file too long": (("d" * 200 + "/") * 20 + "run", "deepest file"),
+}
+
+
+@pytest.mark.parametrize("out, named", LONG.values(), ids=LONG.keys())
+def test_out_paths_too_long_are_bad_input_before_anything_is_built(out, named, tmp_path, capsys,
+                                                                     monkeypatch):
+    monkeypatch.setattr(g, "build", None)           # building a model would fail loudly
+    code, cap = run_main(["--out", str(tmp_path / out)], capsys)
+    assert code == 2 and cap.out == "" and len(cap.err.strip().splitlines()) == 1, cap.err
+    assert named[:40] in cap.err and "Traceback" not in cap.err
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_live_run_owns_its_out_for_its_whole_life_and_a_dead_ones_marks_are_taken_over(tmp_path,
+                                                                                          capsys):
+    out = str(tmp_path / "run")
+    tok = g.build_char_tokenizer()
+    model = g.build_tiny_model(tok)
+    live = g.Run(out)                                # in its warm-up: <out>.incomplete, lock held
+    code, cap = run_main(["--out", out], capsys)
+    assert code == 2 and f"another run (pid {os.getpid()})" in cap.err and cap.out == "", cap.err
+    live.checkpoint(model, tok)                      # promoted: <out> is the live run's now
+    before = snapshot(out)
+    code, cap = run_main(["--out", out], capsys)
+    assert code == 2 and f"another run (pid {os.getpid()})" in cap.err and cap.out == "", cap.err
+    with pytest.raises(RuntimeError, match="another run"):
+        g.Run(out)                                   # a run that got past validate: refused too
+    assert snapshot(out) == before
+    live.close()
+    assert sorted(os.listdir(tmp_path)) == ["run"]   # the lock file goes with the run
+    # a run killed with its marks left: a lock file no process holds, an .incomplete whose marker
+    # names a live pid (pids are reused): stale, taken over
+    (tmp_path / "run.lock").write_text(str(os.getppid()))
+    os.makedirs(out + ".incomplete")
+    (tmp_path / "run.incomplete" / g.MARKER).write_text(str(os.getppid()))
+    assert g.out_problem(out) is None
+    again = g.Run(out)
+    assert os.listdir(out + ".incomplete") == [g.MARKER] and g.lock_holder(out) == f"pid {os.getpid()}"
+    again.close()
+
+
 def test_an_empty_out_folder_is_used_and_an_earlier_run_replaced(tmp_path):
     out = tmp_path / "empty"
     out.mkdir()
@@ -446,6 +494,7 @@ def test_an_empty_out_folder_is_used_and_an_earlier_run_replaced(tmp_path):
     model = g.build_tiny_model(tok)
     run = g.Run(str(out) + "/")                      # a trailing slash names the same folder
     run.checkpoint(model, tok)
+    run.close()
     assert g.written_by_us(str(out)) and os.listdir(tmp_path) == ["empty"]
     g.Run(str(out)).checkpoint(model, tok)          # a second run replaces the first
     assert sorted(os.listdir(tmp_path)) == ["empty"]
@@ -499,6 +548,47 @@ def test_ctrl_c_leaves_a_loadable_checkpoint_and_exits_130(tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
     AutoModelForCausalLM.from_pretrained(out / "checkpoint")
     AutoTokenizer.from_pretrained(out / "checkpoint")
+
+
+def press_ctrl_c_at(fn, calls, before=True):
+    """`fn` that sends this process a SIGINT (one Ctrl-C) on the given calls (1-based), before or
+    after doing its work."""
+    seen = []
+
+    def wrapped(*args, **kwargs):
+        seen.append(1)
+        if before and len(seen) in calls:
+            os.kill(os.getpid(), signal.SIGINT)
+        value = fn(*args, **kwargs)
+        if not before and len(seen) in calls:
+            os.kill(os.getpid(), signal.SIGINT)
+        return value
+    return wrapped
+
+
+def test_ctrl_c_during_the_final_evaluation_and_the_final_writes_still_ends_with_both(
+        tiny_run, tmp_path, capsys, monkeypatch):
+    out = tmp_path / "r"
+    # accuracy's calls: the warm-up's check, the test before RL, step 1's validation, the final test
+    monkeypatch.setattr(g, "accuracy", press_ctrl_c_at(g.accuracy, {3}, before=False))   # 1st press
+    monkeypatch.setattr(g, "accuracy", press_ctrl_c_at(g.accuracy, {4}))    # 2nd: the final test
+    # 3rd and 4th: the final checkpoint (the 3rd save) and summary.json are being written
+    monkeypatch.setattr(g.Run, "checkpoint", press_ctrl_c_at(g.Run.checkpoint, {3}))
+    monkeypatch.setattr(g.Run, "write_summary", press_ctrl_c_at(g.Run.write_summary, {1}))
+    start = os.path.join(tiny_run[0], "checkpoint")
+    try:
+        code, cap = run_main(TINY + ["--model", start, "--warmup-max-steps", "0", "--steps", "3",
+                                     "--eval-every", "1", "--out", str(out)], capsys)
+    except KeyboardInterrupt:                        # would end pytest's session, not fail a test
+        pytest.fail("a Ctrl-C in the end of the run escaped main as KeyboardInterrupt")
+    assert code == 130 and "Traceback" not in cap.err, cap.err
+    assert "cut short" in cap.out.strip().splitlines()[-1], cap.out
+    summary = strict_json((out / "summary.json").read_text())
+    assert summary["interrupted"] is True and summary["rl_steps"] == 1
+    assert summary["final_evaluation_interrupted"] is True and summary["accuracy_after_rl"] is None
+    assert summary["accuracy_before_rl"] is not None
+    assert sorted(os.listdir(out / "checkpoint")) == sorted(os.listdir(start))
+    assert sorted(os.listdir(tmp_path)) == ["r"]     # promoted, lock released, nothing left over
 
 
 # --- pieces of the script ------------------------------------------------------------------------
