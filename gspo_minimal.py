@@ -62,6 +62,7 @@ import re
 import shutil
 import signal
 import sys
+import tempfile
 import textwrap
 import time
 import typing
@@ -1317,7 +1318,7 @@ def out_problem(out: str, check_lock: bool = True) -> str | None:
     `<out>.incomplete` absent or a leftover of this script; `<out>.lock` absent, or ours and held by
     no live run (`lock_holder`); `<out>.old` absent (only a run killed in the middle of a swap
     leaves one: it may hold that earlier run); and the nearest existing parent a folder we can
-    write in. Nothing else is ever touched.
+    write in (tried with an empty probe folder, removed at once). Nothing else is ever touched.
     """
     out = os.path.abspath(out)          # `.` and `a/..` name a folder; its siblings sit beside it
     problem = path_problem(out)
@@ -1349,6 +1350,10 @@ def out_problem(out: str, check_lock: bool = True) -> str | None:
         return f"--out {out}: {parent} is a file, not a folder"
     if not os.access(parent, os.W_OK | os.X_OK):
         return f"--out {out}: cannot create anything in {parent}"
+    try:                        # os.access says yes to root everywhere (/proc too): only trying tells
+        os.rmdir(tempfile.mkdtemp(prefix=".gspo_minimal_probe_", dir=parent))
+    except OSError as err:
+        return f"--out {out}: cannot create anything in {parent} ({err.strerror})"
     return None
 
 

@@ -340,6 +340,13 @@ def test_bad_input_gets_one_line_and_exit_2(argv, tmp_path, capsys):
     assert not out.exists() and time.perf_counter() - t0 < 5
 
 
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs Linux's /proc, where even root cannot create")
+def test_an_out_folder_nobody_can_create_is_bad_input(capsys):
+    code, cap = run_main(["--out", "/proc/gspo_minimal_never"], capsys)
+    assert code == 2 and cap.out == "" and "Traceback" not in cap.err
+    assert cap.err.strip().splitlines() == [cap.err.strip()] and "cannot create anything in /proc" in cap.err
+
+
 def test_max_new_tokens_beyond_a_models_positions_is_bad_input(tiny_run, tmp_path, capsys):
     start = os.path.join(tiny_run[0], "checkpoint")           # the built-in model: 64 positions
     code, cap = run_main(["--model", start, "--max-new-tokens", "64", "--out", str(tmp_path / "x")], capsys)
