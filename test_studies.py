@@ -846,8 +846,12 @@ def test_golden_every_plot_draws_the_same_png(study_tree, monkeypatch):
     rng = random.Random(0)
     v["variance_by_position"] = [rng.uniform(0.01, 0.1) for _ in range(256)]   # not kept in figures.json
     v["log_s_by_minibatch"] = [[rng.gauss(0, 0.1 * k) for _ in range(64)] for k in range(4)]
+    # pretrained_variance.png changed on purpose after the split (its natural-length bins are separate
+    # answer sets, no longer joined by a line; the title names the pre-set range): it must only draw.
+    now("plot_pretrained")(pre)
+    plt.close("all")
+    assert os.path.getsize(os.path.join("figures", "pretrained_variance.png")) > 10_000
     plots = {
-        "pretrained_variance.png": lambda fn: fn("plot_pretrained")(pre),
         "family_accuracy.png": lambda fn: fn("plot_family")(plt, fn("family_summary")()),
         "long_accuracy.png": lambda fn: fn("plot_long")(plt, fn("long_summary")(variance, by_length)),
         "reward_vs_step.png": lambda fn: fn("plot_control")(plt),
@@ -1260,3 +1264,28 @@ def test_every_link_and_anchor_in_the_docs_resolves():
 def test_github_anchor_rules():
     assert github_anchors("## 7. A walk through `gspo_minimal.py`\n## Clipping: GSPO against GRPO\n## x\n## x") \
         == {"7-a-walk-through-gspo_minimalpy", "clipping-gspo-against-grpo", "x", "x-1"}
+
+
+def test_a_corrupt_json_left_in_runs_ends_a_resumed_target_in_one_line(tmp_path, capsys):
+    """A resumed target reads back what earlier invocations left (summary.json, its parts): one
+    that is not JSON is a failure in one line, exit 1, never a traceback."""
+    bad = tmp_path / "run" / "summary.json"
+    bad.parent.mkdir()
+    bad.write_bytes(b'{"interrupted": fal')
+    for read in (lambda: common.finished(str(bad)), lambda: common.read_summary("run", str(tmp_path)),
+                 lambda: long.cached(str(bad), lambda: {"made": True})):
+        with pytest.raises(common.StudyFailed) as err:
+            read()
+        assert err.value.code == 1 and str(bad) in str(err.value) and "delete it" in str(err.value)
+    wrapped = common.cli(lambda argv: common.read_json(str(bad)))             # as a study's main
+    assert wrapped([]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "Traceback" not in err[0]
+
+
+def test_the_bench_child_refuses_a_budget_that_is_not_a_number(tmp_path, capsys):
+    from studies import trl_compare
+    out = tmp_path / "side.json"
+    assert trl_compare.main(["_side", "ours", str(tmp_path), "soon", "1", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "BUDGET" in err[0] and not out.exists()

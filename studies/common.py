@@ -56,6 +56,16 @@ def fail(message: str, code: int = 2) -> NoReturn:
     raise StudyFailed(message, code)
 
 
+def read_json(path: str):
+    """A JSON file a study reads back (a run's summary, a resumed part): one line, exit 1, where it
+    is not JSON, since a resumed target would otherwise end in a traceback."""
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        fail(f"{path} is not JSON ({err}); delete it and run the target again to remake it", 1)
+
+
 class Parser(argparse.ArgumentParser):
     """argparse whose errors (an unknown argument or subcommand, a bad value) are one line, exit 2."""
 
@@ -335,8 +345,7 @@ def finished(done: str) -> bool:
     """A job's summary.json exists and says it ran to its end (a Ctrl-C'd run writes one too)."""
     if not os.path.exists(done):
         return False
-    with open(done) as f:
-        return not json.load(f).get("interrupted", False)
+    return not read_json(done).get("interrupted", False)
 
 
 def run_jobs(jobs: list[dict], folder: str, workers: int = 2, poll: float = 1.0) -> int:
@@ -396,8 +405,7 @@ def reused_runs(runs, folder: str, result_json: str, key: str) -> tuple[list[str
     reused = [n for n, _ in runs if os.path.exists(os.path.join(folder, n, "summary.json"))]
     if not (reused and os.path.exists(result_json)):
         return reused, 0.0
-    with open(result_json) as f:
-        return reused, json.load(f).get(key, 0.0)
+    return reused, read_json(result_json).get(key, 0.0)
 
 
 def read_metrics(name: str, folder: str = FIG_RUNS) -> list[dict]:
@@ -406,8 +414,7 @@ def read_metrics(name: str, folder: str = FIG_RUNS) -> list[dict]:
 
 
 def read_summary(name: str, folder: str = FIG_RUNS) -> dict:
-    with open(os.path.join(folder, name, "summary.json")) as f:
-        return json.load(f)
+    return read_json(os.path.join(folder, name, "summary.json"))
 
 
 def run_record(name: str, args: list[str], folder: str = FIG_RUNS) -> tuple[dict, dict, list[dict]]:

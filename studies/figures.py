@@ -31,7 +31,7 @@ import torch  # noqa: E402
 
 import gspo_minimal as g  # noqa: E402
 from studies.common import (FIG_DIR, FIG_RUNS, FIG_STEPS, SEEDS, STYLE, Parser, accuracy_curves,  # noqa: E402
-                            cli, read_metrics, reused_runs, run_all, run_record, variance_panels,
+                            cli, read_json, read_metrics, reused_runs, run_all, run_record, variance_panels,
                             write_json)
 from studies.verify import VERIFY_DIR, verify  # noqa: E402
 
@@ -232,8 +232,7 @@ def figures() -> None:
                                   "figures_seconds")
     if not os.path.exists(os.path.join(VERIFY_DIR, "verify.json")):
         verify()
-    with open(os.path.join(VERIFY_DIR, "verify.json")) as f:
-        v = json.load(f)
+    v = read_json(os.path.join(VERIFY_DIR, "verify.json"))
     run_all(figure_runs())
 
     for names, title, file in (

@@ -33,7 +33,7 @@ import torch  # noqa: E402
 import gspo_minimal as g  # noqa: E402
 from studies.common import (DEFAULTS, FIG_DIR, SEEDS, STYLE, Parser, big_rollout, binned_variance,  # noqa: E402
                             cli, fail, loglog_slope, logprobs_in_chunks, one_update, read_metrics,
-                            read_summary, reused_runs, run_jobs, script_job, variance_panels,
+                            read_json, read_summary, reused_runs, run_jobs, script_job, variance_panels,
                             variance_profile, warm_optimizer, write_json)
 
 
@@ -149,8 +149,7 @@ def long_variance() -> dict:
 def cached(path: str, fn):
     """fn()'s result, kept in `path` (JSON) and reused by a later invocation."""
     if os.path.exists(path):
-        with open(path) as f:
-            return json.load(f)
+        return read_json(path)
     res = fn()
     with open(path, "w") as f:
         json.dump(res, f, indent=2, allow_nan=False)

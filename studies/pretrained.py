@@ -38,7 +38,7 @@ import torch  # noqa: E402
 
 import gspo_minimal as g  # noqa: E402
 from studies.common import (FIG_DIR, Parser, binned_variance, cli, fail, loglog_slope,  # noqa: E402
-                            logprobs_in_chunks, minibatch_ratios, smollm_gguf, variance_panels,
+                            logprobs_in_chunks, minibatch_ratios, read_json, smollm_gguf, variance_panels,
                             variance_profile, write_json)
 from studies.speed import measure_logprobs  # noqa: E402
 
@@ -295,9 +295,8 @@ def pre_part(name: str, fn) -> dict:
     its own seconds, and a later invocation reuses it (the target is resumable)."""
     path = os.path.join(PRE_DIR, f"{name}.json")
     if os.path.exists(path):
-        with open(path) as f:
-            print(f"{name}: reusing {path}", flush=True)
-            return json.load(f)
+        print(f"{name}: reusing {path}", flush=True)
+        return read_json(path)
     t0 = time.perf_counter()
     res = fn()
     res["seconds"] = time.perf_counter() - t0

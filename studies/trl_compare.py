@@ -41,6 +41,7 @@ import json
 import math
 import os
 import random
+import re
 import statistics
 import subprocess
 import sys
@@ -393,6 +394,8 @@ def bench_side(argv: list[str]) -> int:
     if len(argv) != 5 or argv[0] not in ("ours", "trl") or not argv[3].isdigit():
         fail("usage: python studies/trl_compare.py _side {ours,trl} START BUDGET THREADS OUT_JSON")
     side, start, budget, threads, out = argv
+    if not re.fullmatch(r"\d+(\.\d*)?", budget):
+        fail(f"_side: BUDGET must be a number of seconds, got {budget!r}")
     torch.set_num_threads(int(threads))
     quiet_libraries()
     cfg, device = g.Config(threads=int(threads)), torch.device("cpu")
