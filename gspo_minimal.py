@@ -1040,9 +1040,9 @@ def rl_update(model, opt, batch: dict, cfg: Config, eps_low: float, eps_high: fl
                           aggregation=cfg.aggregation, max_tokens=cfg.max_new_tokens)
         opt.zero_grad(set_to_none=True)
         loss.backward()
-        stop_if_not_finite(f"minibatch {k + 1} of {len(chunks)} of the next step", loss, model)
-        if cfg.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        norm = stop_if_not_finite(f"minibatch {k + 1} of {len(chunks)} of the next step", loss, model)
+        if cfg.grad_clip > 0:      # clip_grad_norm_ without computing the norm a second time
+            torch.nn.utils.clip_grads_with_norm_(model.parameters(), cfg.grad_clip, norm)
         opt.step()
         # a token can clip only off-policy (s = 1 in chunk 1) and only with A != 0 (no flat group)
         could_clip = 0 if k == 0 else ((mask != 0) & (adv != 0).unsqueeze(-1)).sum().item()
@@ -1519,15 +1519,16 @@ class Diverged(Exception):
     """A non-finite loss, gradient norm or weight: the run stops, and keeps its last checkpoint."""
 
 
-def stop_if_not_finite(where: str, loss: torch.Tensor, model) -> None:
-    """Raise Diverged unless the loss and the gradient norm (before any clipping) are finite.
-    Called between backward and the optimiser step, so that the weights never take such a step;
-    the check reads the gradients and changes nothing."""
+def stop_if_not_finite(where: str, loss: torch.Tensor, model) -> torch.Tensor:
+    """Raise Diverged unless the loss and the gradient norm (before any clipping) are finite, and
+    return that norm, so clipping need not compute it again. Called between backward and the
+    optimiser step, so that the weights never take such a step; it reads the gradients only."""
     grads = [p.grad for p in model.parameters() if p.grad is not None]
-    norm = torch.nn.utils.get_total_norm(grads).item() if grads else 0.0
-    if not (math.isfinite(loss.item()) and math.isfinite(norm)):
-        raise Diverged(f"{where} has loss {loss.item():.4g} and gradient norm {norm:.4g} (a "
+    norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
+    if not (math.isfinite(loss.item()) and math.isfinite(norm.item())):
+        raise Diverged(f"{where} has loss {loss.item():.4g} and gradient norm {norm.item():.4g} (a "
                        "learning rate too high?)")
+    return norm
 
 
 def non_finite_weights(model) -> str | None:
