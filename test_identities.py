@@ -774,6 +774,15 @@ def test_gmpo_without_clipping_is_the_plain_sequence_ratio_objective(b):
     assert got.item() == pytest.approx(expect.item(), rel=1e-12, abs=1e-15)
 
 
+def literal_rows(b: Batch, lp_new, lp_old):
+    """(the row's per-token log-ratios as Python floats, its advantage) for each non-empty row: the
+    raw material of the literal loops below, which rebuild a loss without any tensor code."""
+    for i in range(b.B):
+        d = [(lp_new[i, t] - lp_old[i, t]).item() for t in range(b.T) if b.mask[i, t]]
+        if d:
+            yield d, b.adv[i].item()
+
+
 @given(f64_batches)
 def test_gmpo_clips_each_token_log_ratio_on_the_pessimistic_side(b):
     """A literal loop over GMPO's definition: tokens clipped in log space, then the geometric mean."""
@@ -781,11 +790,7 @@ def test_gmpo_clips_each_token_log_ratio_on_the_pessimistic_side(b):
     e_lo, e_hi = 2e-3, 1e-3
     got = g.gmpo_loss(lp_new, lp_old, b.adv, b.mask, eps=(e_lo, e_hi))
     total = 0.0
-    for i in range(b.B):
-        d = [(lp_new[i, t] - lp_old[i, t]).item() for t in range(b.T) if b.mask[i, t]]
-        if not d:
-            continue
-        a = b.adv[i].item()
+    for d, a in literal_rows(b, lp_new, lp_old):
         c = [min(x, min(max(x, -e_lo), e_hi)) if a > 0 else max(x, min(max(x, -e_lo), e_hi)) for x in d]
         total += math.exp(sum(c) / len(c)) * a
     assert got.item() == pytest.approx(-total / b.B, rel=1e-10, abs=1e-15)
@@ -829,11 +834,7 @@ def test_sapo_in_float64_uses_its_temperatures_exactly(level, b):
     got = g.sapo_loss(lp_new, lp_old, b.adv, b.mask, level=level)
     f = lambda r, a: 1 / (1 + math.exp(-(1.0 if a > 0 else 1.05) * (r - 1))) * 4 / (1.0 if a > 0 else 1.05) * a
     total = 0.0
-    for i in range(b.B):
-        d = [(lp_new[i, t] - lp_old[i, t]).item() for t in range(b.T) if b.mask[i, t]]
-        if not d:
-            continue
-        a = b.adv[i].item()
+    for d, a in literal_rows(b, lp_new, lp_old):
         total += f(math.exp(sum(d) / len(d)), a) if level == "sequence" else \
             sum(f(math.exp(x), a) for x in d) / len(d)
     assert got.item() == pytest.approx(-total / b.B, rel=1e-12, abs=1e-15)
