@@ -116,20 +116,26 @@ PRE_SPLIT = "7b27243926a36ed05c26f3124b520c731cd567ed"
 
 
 @functools.cache
-def pre_split(name: str) -> types.ModuleType:
-    """`name`.py ("experiments" or "trl_compare") as it was at PRE_SPLIT, read with `git show` and
-    loaded as a module of its own. A clone without that commit (a shallow one) fails here."""
+def at_commit(commit: str, path: str) -> types.ModuleType:
+    """The file `path` (a .py at the repository root) as it was at `commit`, loaded with `git show`
+    as a module of its own, so that a test can run the code before a change beside the code after
+    it. A clone without that commit (a shallow one) fails here."""
     try:
-        res = subprocess.run(["git", "-C", HERE, "show", f"{PRE_SPLIT}:{name}.py"], capture_output=True,
+        res = subprocess.run(["git", "-C", HERE, "show", f"{commit}:{path}"], capture_output=True,
                              text=True, timeout=60)
         source = res.stdout if res.returncode == 0 else None
     except (OSError, subprocess.SubprocessError):
         source = None
     if not source:
-        pytest.fail(f"commit {PRE_SPLIT[:12]} ({name}.py before the split) is not in this clone: fetch "
-                    f"the history (git fetch --unshallow) to run the golden tests", pytrace=False)
-    module = types.ModuleType(f"pre_split_{name}")
-    module.__file__ = os.path.join(HERE, f"{name}.py")          # as it was: a top-level script
+        pytest.fail(f"commit {commit[:12]} ({path}) is not in this clone: fetch the history "
+                    f"(git fetch --unshallow) to run the tests that compare with it", pytrace=False)
+    module = types.ModuleType(f"at_{commit[:7]}_{os.path.splitext(path)[0]}")
+    module.__file__ = os.path.join(HERE, path)
     sys.modules[module.__name__] = module
-    exec(compile(source, f"{PRE_SPLIT[:7]}:{name}.py", "exec"), module.__dict__)
+    exec(compile(source, f"{commit[:7]}:{path}", "exec"), module.__dict__)
     return module
+
+
+def pre_split(name: str) -> types.ModuleType:
+    """`name`.py ("experiments" or "trl_compare") as it was at PRE_SPLIT (`at_commit`)."""
+    return at_commit(PRE_SPLIT, f"{name}.py")

@@ -52,7 +52,9 @@ from __future__ import annotations
 import argparse
 import ast
 import contextlib
+import copy
 import dataclasses
+import functools
 import inspect
 import json
 import math
@@ -103,6 +105,14 @@ class Config:
     """prompts per rollout; a rollout holds prompts_per_step * group_size completions"""
     minibatches: int = 4
     """optimiser steps per rollout; every one after the first is off-policy"""
+    micro_batch: int | None = None
+    """rows per forward and backward pass inside a minibatch, their gradients added up before its one
+    optimiser step: the same update at the memory of this many rows, a little slower. A multiple of
+    --group-size keeps each prompt run once per group; 0: the whole minibatch in one pass. Default:
+    0 for a model under 20M parameters (the built-in ones), else --group-size (one group)"""
+    gradient_checkpointing: bool = False
+    """recompute each layer's activations during the backward pass instead of keeping them (Hugging
+    Face models): less memory for more time; the update then runs one full pass per row"""
     eps_low: float | None = None
     """lower clip width: clip(s, 1 - eps_low, ...); default 3e-4 for GSPO variants and LUSPO, 0.2 for
     GRPO; GMPO's is in log space (default 0.4); CISPO, SAPO and VESPO have none"""
@@ -129,6 +139,15 @@ class Config:
     temperature: float = 1.0
     """sampling temperature, 0.01 to 100; the policy's log-probs use logits / temperature, so s = 1
     on-policy"""
+    sampler_dtype: str = "float32"
+    """precision of the model that samples the rollouts: float32 (the trainer's own model) or
+    bfloat16 (a bf16 copy of it, weights and activations, made before each rollout, as an inference
+    engine such as vLLM holds weights of its own; on CUDA it needs bf16 support, on a CPU without
+    bf16 instructions it runs, slowly)"""
+    old_logprobs: str = "trainer"
+    """where log pi_old comes from: trainer (the trainer's own pass over the rollout) or sampler (the
+    log-probs the sampler recorded while sampling, for every minibatch, the first included: the
+    trainer's pre-update pass is skipped, as trainers fed by vLLM or SGLang do)"""
     out: str = "runs/train"
     """output folder: metrics.jsonl, summary.json and checkpoint/ (Hugging Face format); the run
     writes <out>.incomplete until its first checkpoint, holds <out>.lock while it lives (a second
@@ -356,6 +375,9 @@ def build(cfg: Config, device):
         longest = len(prompt_text(cfg.task, 0, 0)) + cfg.max_new_tokens      # a token per character
         model = build_tiny_model(tokenizer, moe=cfg.moe,   # 64 positions, or the next power of 2 up
                                  positions=max(64, 1 << (longest - 1).bit_length()))
+    if cfg.gradient_checkpointing:     # its layers recompute only in training mode (dropout 0 here)
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        model.train()
     return model.to(device), tokenizer
 
 
@@ -375,8 +397,11 @@ def completion_mask(completions: torch.Tensor, eos_id: int) -> torch.Tensor:
 @torch.no_grad()
 def sample_completions(model, prompt_ids, prompt_mask, max_new_tokens: int, eos_id: int,
                        pad_id: int, *, temperature: float = 1.0, suppress_eos: bool = False,
-                       group_size: int = 1) -> torch.Tensor:
-    """Sample one completion per row; temperature 0 is greedy. Returns (B, T) token ids, T <= max_new.
+                       group_size: int = 1, with_logprobs: bool = False):
+    """Sample one completion per row; temperature 0 is greedy. Returns (B, T) token ids, T <= max_new;
+    with `with_logprobs`, also the sampler's own record of their log-probs, (B, T) float32 (0 after a
+    row's EOS): log_softmax(logits.float() / temperature), the formula `policy_logprobs` uses, so
+    the record differs from the trainer's only where the two models' arithmetic does.
 
     `group_size` G: the rows come in groups of G identical prompts (a rollout's layout), so the
     prompt is run through the model once per group and its KV cache repeated G times.
@@ -400,7 +425,7 @@ def sample_completions(model, prompt_ids, prompt_mask, max_new_tokens: int, eos_
     logits = logits.repeat_interleave(G, dim=0)                # (B, V)
     cache.batch_repeat_interleave(G)                           # every cached tensor: B/G -> B rows
     done = torch.zeros(len(prompt_ids), dtype=torch.bool, device=prompt_ids.device)
-    out = []
+    out, record = [], []
     for _ in range(max_new_tokens):
         if suppress_eos:
             logits[:, eos_id] = -float("inf")
@@ -411,6 +436,10 @@ def sample_completions(model, prompt_ids, prompt_mask, max_new_tokens: int, eos_
             nxt = logits.argmax(-1)
         nxt = torch.where(done, pad_id, nxt)
         out.append(nxt)
+        if with_logprobs:
+            scaled = logits.float() / temperature if temperature > 0 else logits.float()
+            logp = torch.log_softmax(scaled, dim=-1).gather(-1, nxt[:, None]).squeeze(-1)   # (B,)
+            record.append(torch.where(done, 0.0, logp))
         done |= nxt == eos_id
         if done.all():
             break
@@ -418,6 +447,8 @@ def sample_completions(model, prompt_ids, prompt_mask, max_new_tokens: int, eos_
         pos = pos[:, -1:] + 1
         logits = model(input_ids=nxt[:, None], attention_mask=attn, position_ids=pos, cache=cache,
                        use_cache=True).logits[:, -1]
+    if with_logprobs:
+        return torch.stack(out, dim=1), torch.stack(record, dim=1)   # (B, T) each
     return torch.stack(out, dim=1)                             # (B, T)
 
 
@@ -529,6 +560,20 @@ def form_gap(logp_new, logp_old, mask) -> torch.Tensor:
     s_ppl = perplexity(logp_old, mask) / perplexity(logp_new, mask)          # PPL_old / PPL_new
     s_ent = torch.exp(cross_entropy(logp_old, mask) - cross_entropy(logp_new, mask))
     return torch.maximum((s_ppl / s - 1).abs(), (s_ent / s - 1).abs())
+
+
+# The engine gap: log pi_old as the sampler recorded it against the trainer's own pass, at the SAME
+# weights. In a trainer fed by an inference engine (vLLM, SGLang) the two are different programs,
+# often in different precisions; taking the sampler's record as pi_old (--old-logprobs sampler)
+# hands the update a sequence ratio s = exp(mean_t(log p_trainer - log p_sampler)) != 1 before any
+# weight has moved. GSPO's band is ln(1 + 4e-4) = 4.0e-4 nats per token wide on the upper side.
+#   engine_gap_tokens = mean_{i,t} |log p_trainer - log p_sampler|,  engine_gap_seqs = mean_i |log s_i|
+def engine_gap(logp_trainer, logp_sampler, mask) -> tuple[float, float]:
+    """(B, T) log-probs of the same tokens from the trainer and the sampler at theta_old -> the mean
+    absolute gap per completion token and the mean |log s| per sequence, in nats."""
+    delta, keep = _deltas(logp_trainer, logp_sampler, mask)
+    per_token = delta.abs().sum() / keep.sum().clamp(min=1)
+    return per_token.item(), sequence_log_ratio(logp_trainer, logp_sampler, mask).abs().mean().item()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -921,15 +966,27 @@ def warmup(model, tokenizer, splits, cfg: Config, device, rng: random.Random, ru
 # ---------------------------------------------------------------------------------------------
 # One GSPO step: a rollout of G completions per prompt, then `minibatches` clipped updates on it.
 # ---------------------------------------------------------------------------------------------
+def sampling_model(model, cfg: Config):
+    """The model that samples a rollout: the policy itself (--sampler-dtype float32), or a copy of it
+    cast to bfloat16, weights and activations (`.to(torch.bfloat16)`), made now from the current
+    weights, as an inference engine holds weights of its own. Its log-probs of the same tokens
+    differ from the trainer's by the engine gap (`engine_gap`)."""
+    if cfg.sampler_dtype == "float32":
+        return model
+    return copy.deepcopy(model).to(torch.bfloat16)
+
+
 @torch.no_grad()
 def rollout(model, tokenizer, problems, cfg: Config, device) -> dict:
-    """Sample G completions per prompt, score them, and compute group advantages."""
+    """Sample G completions per prompt with `model` (the sampler), score them, and compute group
+    advantages. `sampler_logprobs` is the sampler's own record of its tokens' log-probs."""
     G = cfg.group_size
     texts = [prompt_text(cfg.task, a, b) for a, b in problems for _ in range(G)]   # group after group
     prompt_ids, prompt_mask = encode_prompts(tokenizer, texts, device)            # (B, P)
-    completions = sample_completions(model, prompt_ids, prompt_mask, cfg.max_new_tokens,
-                                     tokenizer.eos_token_id, tokenizer.pad_token_id,
-                                     temperature=cfg.temperature, group_size=G)     # (B, T)
+    completions, sampled = sample_completions(model, prompt_ids, prompt_mask, cfg.max_new_tokens,
+                                              tokenizer.eos_token_id, tokenizer.pad_token_id,
+                                              temperature=cfg.temperature, group_size=G,
+                                              with_logprobs=True)                  # (B, T) each
     mask = completion_mask(completions, tokenizer.eos_token_id)                    # (B, T)
     answers = [answer_text(cfg.task, a, b) for a, b in problems for _ in range(G)]
     rewards = torch.tensor([reward(row, ans, tokenizer, task=cfg.task) for row, ans in
@@ -937,7 +994,7 @@ def rollout(model, tokenizer, problems, cfg: Config, device) -> dict:
     if cfg.shuffle_rewards:           # the control: same reward statistics, no relation to answers
         rewards = rewards[torch.randperm(len(rewards), device=device)]
     return {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "completions": completions,
-            "mask": mask, "rewards": rewards,
+            "mask": mask, "rewards": rewards, "sampler_logprobs": sampled,
             "advantages": group_advantages(rewards, G, scale=cfg.scale_rewards == "group")}
 
 
@@ -975,9 +1032,22 @@ def ratio_metrics(logp_new, logp_old, adv, mask, loss: str, eps_low: float, eps_
         gated = (gate_weight(loss, logp_new, logp_old, adv, mask) < 0.5) & keep
     if seq_clipped is None:
         seq_clipped = tok_clipped.any(-1)
+    log_s = sequence_log_ratio(logp_new, logp_old, mask)[keep.any(-1)]
     return {"s": s, "form_gap": form_gap(logp_new, logp_old, mask).max().item(),   # counts, not shares:
             "n_clip_tokens": tok_clipped.sum().item(), "n_tokens": keep.sum().item(),
-            "n_clip_seqs": seq_clipped.sum().item(), "n_gate_tokens": gated.sum().item()}
+            "n_clip_seqs": seq_clipped.sum().item(), "n_gate_tokens": gated.sum().item(),
+            "abs_log_s_q": quantiles(log_s.abs()), "abs_token_log_ratio_q": quantiles(delta[keep].abs())}
+
+
+QUANTILES = (0.5, 0.9, 0.99, 1.0)
+
+
+def quantiles(x: torch.Tensor) -> list[float]:
+    """The median, p90, p99 and maximum of a 1-D tensor (empty: all 0): how far off-policy one
+    minibatch is, without keeping its every value."""
+    if x.numel() == 0:
+        return [0.0] * len(QUANTILES)
+    return torch.quantile(x.double(), torch.tensor(QUANTILES, dtype=torch.float64, device=x.device)).tolist()
 
 
 def group_chunks(n_rows: int, group_size: int, minibatches: int, device) -> list[torch.Tensor]:
@@ -994,7 +1064,9 @@ def summarise_minibatches(logs: list[dict]) -> dict:
     """One step's metrics from its minibatches' `ratio_metrics` (each with "loss", "n_clip_ceiling").
 
     `clip_ceiling` is the share of the step's tokens that could clip at all: `clip_tokens` never
-    exceeds it, whatever the band.
+    exceeds it, whatever the band. `grad_norm` is the largest of the minibatches' gradient norms
+    (before clipping); `abs_log_s_q` and `abs_token_log_ratio_q` hold, per minibatch in order, the
+    `quantiles` of |log s| and of the token log-ratios |delta_t|; the engine gap is minibatch 1's.
     """
     s = torch.cat([m["s"] for m in logs])                                  # (B,)
     tokens = max(sum(m["n_tokens"] for m in logs), 1)
@@ -1005,7 +1077,24 @@ def summarise_minibatches(logs: list[dict]) -> dict:
             "clip_ceiling": sum(m.get("n_clip_ceiling", 0) for m in logs) / tokens,
             "gate_tokens": sum(m.get("n_gate_tokens", 0) for m in logs) / tokens,
             "masked_seqs": sum(m.get("n_masked_seqs", 0) for m in logs) / len(s),
-            "form_gap": max(m["form_gap"] for m in logs)}
+            "form_gap": max(m["form_gap"] for m in logs),
+            **({"grad_norm": max(m["grad_norm"] for m in logs)} if "grad_norm" in logs[0] else {}),
+            **{k: logs[0][k] for k in ("engine_gap_tokens", "engine_gap_seqs") if k in logs[0]},
+            "abs_log_s_q": [m["abs_log_s_q"] for m in logs],
+            "abs_token_log_ratio_q": [m["abs_token_log_ratio_q"] for m in logs]}
+
+
+def micro_batches(idx: torch.Tensor, rows: int) -> list[torch.Tensor]:
+    """`idx` (a minibatch's rows, whole groups in order) in consecutive pieces of `rows` rows (0:
+    one piece). A piece of a multiple of G rows holds whole groups."""
+    return [idx] if rows <= 0 or rows >= len(idx) else list(idx.split(rows))
+
+
+def row_share(loss: str, aggregation: str) -> bool:
+    """Whether the loss divides by its batch's number of rows (a mean over sequences, or dr_grpo's
+    rows x max_tokens), so that a micro-batch's loss counts for rows_micro / rows_minibatch of the
+    minibatch's; the others divide by `num_tokens`, fixed for the minibatch, and simply add up."""
+    return loss in ("gmpo", "sapo", "sapo-seq", "luspo") or (loss in LOSS_FNS and aggregation != "dapo")
 
 
 def rl_update(model, opt, batch: dict, cfg: Config, eps_low: float, eps_high: float) -> dict:
@@ -1013,42 +1102,77 @@ def rl_update(model, opt, batch: dict, cfg: Config, eps_low: float, eps_high: fl
 
     Whole groups: each prompt is then run once per chunk (group_policy_logprobs), and each
     chunk's advantages sum to 0 group by group (TRL shuffles single completions instead).
-    pi_old is the policy that sampled the rollout: for the first chunk it is the update's own
-    forward pass, detached, so s = 1 exactly there; for the others, one pass BEFORE the first
-    update. Every later chunk is off-policy. Returns the step's metrics (`summarise_minibatches`).
+    pi_old is the policy that sampled the rollout. With --old-logprobs trainer (the default) it is
+    the trainer's own arithmetic: for the first chunk the update's own forward pass, detached, so
+    s = 1 exactly there; for the others, one pass BEFORE the first update. With --old-logprobs
+    sampler it is the sampler's record for every chunk (`rollout`), and that pass is skipped: then
+    s != 1 already in chunk 1, by the engine gap. Every later chunk is off-policy.
+
+    --micro-batch N runs each chunk's forward and backward N rows at a time and adds up their
+    gradients before the one optimiser step: the same loss and gradient as one pass (each piece's
+    loss weighted by its share, `row_share`; token-normalised losses keep the chunk's `num_tokens`),
+    at the memory of N rows. Pieces of whole groups keep the prompt-once pass; other pieces, and
+    gradient checkpointing (whose layers drop the KV cache while training), run one full pass per
+    row. Returns the step's metrics (`summarise_minibatches`).
     """
     G = cfg.group_size
     chunks = group_chunks(len(batch["rewards"]), G, cfg.minibatches, batch["rewards"].device)
     num_tokens = (batch["mask"] != 0).sum() / cfg.minibatches    # dapo, CISPO, VESPO: as TRL normalises
+    from_sampler = cfg.old_logprobs == "sampler"
+    rows = cfg.micro_batch or 0
+    prompt_once = rows % G == 0 and not cfg.gradient_checkpointing
 
     def logprobs(idx):                                                   # (len(idx), T)
-        return group_policy_logprobs(model, batch["prompt_ids"][idx], batch["prompt_mask"][idx],
-                                     batch["completions"][idx], G, temperature=cfg.temperature)
-    with torch.no_grad():                      # pi_old of chunks 2, 3, ... in one pass, before any update
-        later = (logprobs(torch.cat(chunks[1:])).split([len(c) for c in chunks[1:]])
-                 if len(chunks) > 1 else [])
+        args = batch["prompt_ids"][idx], batch["prompt_mask"][idx], batch["completions"][idx]
+        if prompt_once:
+            return group_policy_logprobs(model, *args, G, temperature=cfg.temperature)
+        return policy_logprobs(model, *args, temperature=cfg.temperature)
+    record = batch.get("sampler_logprobs")   # (B, T); None in a batch not made by `rollout`
+    if from_sampler and record is None:
+        raise ValueError("--old-logprobs sampler needs the rollout's sampler_logprobs")
+    old = record                              # pi_old: the sampler's record, or the trainer's pass
+    if not from_sampler and len(chunks) > 1:
+        with torch.no_grad():                  # pi_old of chunks 2, 3, ... before any update
+            later = torch.cat(chunks[1:])
+            passed = torch.cat([logprobs(part) for part in micro_batches(later, rows)])
+        old = passed.new_zeros(batch["completions"].shape)
+        old[later] = passed
     logs = []
     for k, idx in enumerate(chunks):
-        logp_new = logprobs(idx)
-        logp_old = logp_new.detach() if k == 0 else later[k - 1]    # chunk 1: nothing has changed yet
-        adv, mask = batch["advantages"][idx], batch["mask"][idx] != 0
-        dropped = 0
-        if cfg.off_policy_mask is not None:           # DeepSeek-V3.2: drop drifted A < 0 responses
-            kept = off_policy_sequence_mask(logp_new, logp_old, adv, mask, cfg.off_policy_mask)
-            dropped, mask = (~kept & mask.any(-1)).sum().item(), mask & kept.unsqueeze(-1)
-        loss = loss_value(cfg.loss, logp_new, logp_old, adv, mask, eps_low, eps_high, num_tokens,
-                          aggregation=cfg.aggregation, max_tokens=cfg.max_new_tokens)
         opt.zero_grad(set_to_none=True)
-        loss.backward()
+        seen, loss = [], 0.0
+        for part in micro_batches(idx, rows):
+            logp_new = logprobs(part)
+            # chunk 1 in trainer mode: nothing has changed yet, its own pass is pi_old (s = 1)
+            logp_old = logp_new.detach() if k == 0 and not from_sampler else old[part].to(logp_new.dtype)
+            adv, mask = batch["advantages"][part], batch["mask"][part] != 0
+            dropped = 0
+            if cfg.off_policy_mask is not None:           # DeepSeek-V3.2: drop drifted A < 0 responses
+                kept = off_policy_sequence_mask(logp_new, logp_old, adv, mask, cfg.off_policy_mask)
+                dropped, mask = (~kept & mask.any(-1)).sum().item(), mask & kept.unsqueeze(-1)
+            piece = loss_value(cfg.loss, logp_new, logp_old, adv, mask, eps_low, eps_high, num_tokens,
+                               aggregation=cfg.aggregation, max_tokens=cfg.max_new_tokens)
+            if len(part) < len(idx) and row_share(cfg.loss, cfg.aggregation):
+                piece = piece * (len(part) / len(idx))
+            piece.backward()                  # gradients add up across the pieces of one chunk
+            loss = loss + piece.detach()
+            seen.append((logp_new.detach(), logp_old, adv, mask, dropped))
         norm = stop_if_not_finite(f"minibatch {k + 1} of {len(chunks)} of the next step", loss, model)
         if cfg.grad_clip > 0:      # clip_grad_norm_ without computing the norm a second time
             torch.nn.utils.clip_grads_with_norm_(model.parameters(), cfg.grad_clip, norm)
         opt.step()
-        # a token can clip only off-policy (s = 1 in chunk 1) and only with A != 0 (no flat group)
-        could_clip = 0 if k == 0 else ((mask != 0) & (adv != 0).unsqueeze(-1)).sum().item()
-        logs.append({**ratio_metrics(logp_new.detach(), logp_old, adv, mask, cfg.loss, eps_low,
-                                     eps_high), "loss": loss.item(), "n_clip_ceiling": could_clip,
-                     "n_masked_seqs": dropped})
+        logp_new, logp_old, adv, mask = (torch.cat(x) for x in list(zip(*seen))[:4])
+        gap = {}
+        if k == 0 and record is not None:   # the trainer's pass at theta_old, which ran anyway
+            gap = dict(zip(("engine_gap_tokens", "engine_gap_seqs"),
+                           engine_gap(logp_new, record[idx], batch["mask"][idx] != 0)))
+        # a token can clip only off-policy (s = 1 in chunk 1 unless pi_old is the sampler's record)
+        # and only with A != 0 (no flat group)
+        could_clip = 0 if k == 0 and not from_sampler else (mask & (adv != 0).unsqueeze(-1)).sum().item()
+        logs.append({**ratio_metrics(logp_new, logp_old, adv, mask, cfg.loss, eps_low, eps_high),
+                     "loss": loss.item(), "n_clip_ceiling": could_clip, "grad_norm": norm.item(),
+                     "n_masked_seqs": sum(x[4] for x in seen), **gap})
+    opt.zero_grad(set_to_none=True)         # the gradients' memory is free while the next rollout samples
     return summarise_minibatches(logs)
 
 
@@ -1112,9 +1236,10 @@ def train(cfg: Config, model, tokenizer, device, run, stop) -> dict:
                 break
             t0 = time.perf_counter()
             # Rollout: G completions for each of `prompts_per_step` fresh training problems, their
-            # rewards, and the group advantages. The model as it is now is pi_old.
+            # rewards, and the group advantages. The model as it is now is pi_old; it samples, or
+            # (--sampler-dtype bfloat16) a bf16 copy of it does, as an inference engine would.
             problems = sample_train_problems(splits, cfg.task, cfg.prompts_per_step, rng)
-            batch = rollout(model, tokenizer, problems, cfg, device)
+            batch = rollout(sampling_model(model, cfg), tokenizer, problems, cfg, device)
             # Update: one clipped step per minibatch of whole groups; all but the first off-policy.
             m = rl_update(model, opt, batch, cfg, eps_low, eps_high)
             sched.step()                                 # the learning rate decays once per rollout
@@ -1600,8 +1725,10 @@ class _Parser(argparse.ArgumentParser):
         raise BadInput(message)
 
 
+@functools.cache
 def field_help(cls=Config) -> dict[str, str]:
-    """Map each dataclass field (inherited ones too) to the string literal written under it."""
+    """Map each dataclass field (inherited ones too) to the string literal written under it (read
+    from the source once per class)."""
     helps: dict[str, str] = {}
     for klass in reversed(cls.__mro__):
         if not dataclasses.is_dataclass(klass):
@@ -1650,6 +1777,7 @@ def parse_config(argv: list[str] | None = None, cls=Config) -> Config:
 # instead of a run that swaps, or never ends.
 MAX_ROLLOUT = 2 ** 16          # completions per rollout, --prompts-per-step x --group-size
 MAX_HELD_OUT = 100_000         # --test-size + --val-size: every evaluation scores all of them
+MICRO_BATCH_ABOVE = 20_000_000  # parameters: above, --micro-batch defaults to one group
 MAX_NEW_TOKENS_BUILT_IN = 1024   # the built-in model's longest answer (addwork's) is 60 tokens
 FLAG_RANGES = {
     "seed": (0, 2 ** 64 - 1, "torch.manual_seed's range; random.Random would read -s as s"),
@@ -1658,6 +1786,7 @@ FLAG_RANGES = {
     "group_size": (2, MAX_ROLLOUT, "advantages compare the responses to one prompt"),
     "prompts_per_step": (1, MAX_ROLLOUT // 2, "with at least 2 completions each"),
     "minibatches": (1, None, "at most --prompts-per-step, checked below"),
+    "micro_batch": (0, None, "rows per pass; 0: the whole minibatch"),
     "warmup_batch": (1, MAX_ROLLOUT, "problems per supervised step"),
     "eval_every": (1, None, "above --steps: once, at the end"),
     "val_size": (1, MAX_HELD_OUT, "every evaluation scores them all"),
@@ -1714,6 +1843,10 @@ def validate(cfg: Config) -> None:
     if cfg.aggregation != "paper" and cfg.loss not in LOSS_FNS:
         raise BadInput(f"--aggregation is for gspo, gspo-token and grpo; --loss {cfg.loss} has its "
                        "own (tutorial section 10)")
+    if cfg.sampler_dtype not in ("float32", "bfloat16"):
+        raise BadInput(f"unknown --sampler-dtype {cfg.sampler_dtype!r}; choose float32 or bfloat16")
+    if cfg.old_logprobs not in ("trainer", "sampler"):
+        raise BadInput(f"unknown --old-logprobs {cfg.old_logprobs!r}; choose trainer or sampler")
     if cfg.scale_rewards not in ("group", "none"):
         raise BadInput(f"unknown --scale-rewards {cfg.scale_rewards!r}; choose group or none")
     if cfg.prompts_per_step * cfg.group_size > MAX_ROLLOUT:
@@ -1744,6 +1877,9 @@ def validate(cfg: Config) -> None:
         raise BadInput("--minibatches cannot exceed --prompts-per-step (a minibatch holds whole groups)")
     if cfg.device == "cuda" and not torch.cuda.is_available():
         raise BadInput("--device cuda, but torch sees no CUDA device")
+    if (cfg.sampler_dtype == "bfloat16" and pick_device(cfg).type == "cuda"
+            and not torch.cuda.is_bf16_supported()):
+        raise BadInput("--sampler-dtype bfloat16, but this CUDA device does not support bfloat16")
     problem = out_problem(cfg.out)
     if problem:
         raise BadInput(problem)
@@ -1841,6 +1977,9 @@ def prepare(cfg: Config):
             raise
         reason = (str(err).strip().splitlines() or [""])[0][:200]
         raise BadInput(f"--model {cfg.model}: cannot load it ({type(err).__name__}: {reason})") from None
+    if cfg.micro_batch is None:     # the default: big models' activations on long answers need it
+        big = sum(p.numel() for p in model.parameters()) > MICRO_BATCH_ABOVE
+        cfg.micro_batch = cfg.group_size if big else 0
     missing = unwritable_characters(tokenizer, cfg.task) if cfg.model else ""
     if missing:
         raise BadInput(f"--model {cfg.model}: its tokenizer cannot write {missing!r}, which --task "

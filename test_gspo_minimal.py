@@ -4,6 +4,7 @@ The trained run is shared (one session fixture) and called in-process, so the fi
 """
 import dataclasses
 import json
+import math
 import os
 import random
 import signal
@@ -15,7 +16,7 @@ import pytest
 import torch
 
 import gspo_minimal as g
-from conftest import TINY, tiny_llama_for  # the shared tiny run's flags; fixtures tiny_run, bpe_tokenizer
+from conftest import TINY, at_commit, tiny_llama_for  # the shared tiny run's flags; fixtures tiny_run, bpe_tokenizer
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -57,9 +58,14 @@ def test_metrics_has_one_object_per_rl_step_with_every_logged_field(tiny_run):
     assert [r["step"] for r in rl] == [1, 2, 3, 4]
     fields = {"reward", "flat_groups", "s_mean", "s_min", "s_max", "clip_tokens", "clip_seqs",
               "clip_ceiling", "form_gap", "response_tokens", "tokens_per_second", "step_seconds",
-              "loss"}
+              "loss", "grad_norm", "engine_gap_tokens", "engine_gap_seqs", "abs_log_s_q",
+              "abs_token_log_ratio_q"}
     for r in rl:
         assert fields <= set(r), fields - set(r)
+        assert r["engine_gap_tokens"] < 1e-5 and r["grad_norm"] >= 0   # the float32 sampler is the trainer
+        # one list of quantiles per minibatch; minibatch 1 is on-policy, its |log s| exactly 0
+        assert len(r["abs_log_s_q"]) == len(r["abs_token_log_ratio_q"]) == 2
+        assert r["abs_log_s_q"][0] == [0.0] * len(g.QUANTILES) and sorted(r["abs_log_s_q"][1]) == r["abs_log_s_q"][1]
         assert r["s_min"] <= r["s_mean"] <= r["s_max"]
         assert r["form_gap"] < 1e-4          # the three forms of s agree to float32 round-off
         assert 0 <= r["clip_tokens"] <= r["clip_ceiling"] <= 1
@@ -112,7 +118,7 @@ def test_checkpoint_reloads_with_auto_classes_and_scores_the_same(tiny_run):
 def test_model_flag_trains_a_local_save_pretrained_folder(tiny_run, tmp_path, capsys):
     out, _ = tiny_run
     code, cap = run_main(TINY + ["--steps", "2", "--model", os.path.join(out, "checkpoint"),
-                                 "--out", str(tmp_path / "ft")], capsys)
+                                 "--warmup-max-steps", "0", "--out", str(tmp_path / "ft")], capsys)
     assert code == 0, cap.err
     assert "LlamaForCausalLM" in cap.out
     with open(tmp_path / "ft" / "summary.json") as f:
@@ -166,7 +172,8 @@ def test_relatives_count_their_clips_and_gates_in_the_scripts_units():
 
 
 def test_moe_model_trains_a_few_steps(tmp_path, capsys):
-    code, cap = run_main(TINY + ["--steps", "2", "--moe", "--out", str(tmp_path / "moe")], capsys)
+    code, cap = run_main(TINY + ["--steps", "2", "--warmup-max-steps", "2", "--moe", "--out",
+                                 str(tmp_path / "moe")], capsys)
     assert code == 0, cap.err
     with open(tmp_path / "moe" / "checkpoint" / "config.json") as f:
         cfg = json.load(f)
@@ -324,6 +331,9 @@ BAD_NUMBERS = {
     "more new tokens than the built-in model's positions": ["--max-new-tokens", "100000"],
     "held-out sets beyond reason": ["--task", "addwork", "--test-size", "1000000"],
     "zero validation problems": ["--val-size", "0"],
+    "negative micro-batch": ["--micro-batch", "-1"],
+    "unknown sampler dtype": ["--sampler-dtype", "float16"],
+    "unknown source of pi_old": ["--old-logprobs", "engine"],
 }
 BAD.update(BAD_NUMBERS)
 
@@ -884,3 +894,135 @@ def test_a_bpe_model_with_a_chat_template_trains_from_the_command_line(bpe_token
         assert json.load(f)["rl_steps"] == 2
     saved = AutoTokenizer.from_pretrained(out / "checkpoint")
     assert bool(saved.chat_template) == chat               # the run saves what it used
+
+
+# --- pi_old from the sampler, the engine gap, micro-batches, gradient checkpointing -------------
+BEFORE_ENGINES = "3af4b4b"      # gspo_minimal.py before --sampler-dtype, --old-logprobs, --micro-batch
+
+
+def test_the_samplers_record_is_the_trainers_recompute_to_round_off():
+    """A float32 sampler's own log-probs (what --old-logprobs sampler uses as pi_old) equal the
+    trainer's pass over the same tokens up to float32 round-off; a bf16 copy's do not."""
+    model, tok, cfg, batch = tiny_rollout(prompts_per_step=4, group_size=4)
+    with torch.no_grad():
+        trainer = g.group_policy_logprobs(model, batch["prompt_ids"], batch["prompt_mask"],
+                                          batch["completions"], 4)
+    tokens, seqs = g.engine_gap(trainer, batch["sampler_logprobs"], batch["mask"])
+    assert tokens < 1e-5 and seqs < 1e-5
+    assert (batch["sampler_logprobs"][~batch["mask"]] == 0).all()        # nothing after EOS
+    bf16 = dataclasses.replace(cfg, sampler_dtype="bfloat16")
+    sampler = g.sampling_model(model, bf16)
+    assert sampler is not model and next(sampler.parameters()).dtype == torch.bfloat16
+    assert next(model.parameters()).dtype == torch.float32                # the policy is untouched
+    assert g.sampling_model(model, cfg) is model
+    torch.manual_seed(1)
+    b16 = g.rollout(sampler, tok, [(7, 45), (3, 9), (50, 50), (12, 0)], bf16, "cpu")
+    with torch.no_grad():
+        trainer = g.group_policy_logprobs(model, b16["prompt_ids"], b16["prompt_mask"], b16["completions"], 4)
+    tokens, seqs = g.engine_gap(trainer, b16["sampler_logprobs"], b16["mask"])
+    assert tokens > 1e-4 and 0 < seqs <= tokens             # |mean| <= mean |.|, row by row
+
+
+def test_sampler_mode_takes_pi_old_from_the_record_and_logs_the_gap():
+    model, _, cfg, batch = tiny_rollout()
+    batch["sampler_logprobs"] = batch["sampler_logprobs"] + 0.01 * batch["mask"]   # a known gap
+    batch["advantages"] = torch.tensor([1.0, -1.0] * 8)
+    sampler_cfg = dataclasses.replace(cfg, old_logprobs="sampler", minibatches=1)
+    m = g.rl_update(model, torch.optim.AdamW(model.parameters(), lr=1e-9), batch, sampler_cfg, 3e-4, 4e-4)
+    assert m["engine_gap_tokens"] == pytest.approx(0.01, rel=1e-3)
+    assert m["engine_gap_seqs"] == pytest.approx(0.01, rel=1e-3)
+    # pi_old is 0.01 nats per token above the trainer's pass: s = exp(-0.01) in minibatch 1 already,
+    # below GSPO's band, so every response with A < 0 is clipped before any weight has moved
+    assert m["s_max"] == pytest.approx(math.exp(-0.01), rel=1e-4)
+    assert m["clip_seqs"] == 0.5 and m["clip_ceiling"] == 1.0
+    assert m["grad_norm"] > 0
+
+
+def test_trainer_mode_is_unchanged_step_for_step():
+    """rl_update with pi_old from the trainer (the default) against rl_update before the new flags
+    existed, run beside it on copies of one model, optimiser and rollout: the same metrics and the
+    same weights, bit for bit."""
+    import copy
+    before = at_commit(BEFORE_ENGINES, "gspo_minimal.py")
+    model, _, cfg, batch = tiny_rollout(prompts_per_step=8, group_size=4)
+    cfg = dataclasses.replace(cfg, minibatches=4, lr=1e-2)
+    results = []
+    for module in (before, g):
+        m = copy.deepcopy(model)
+        opt, _ = module.rl_optimizer(m, module.Config(**{k: v for k, v in dataclasses.asdict(cfg).items()
+                                                          if k in module.Config.__dataclass_fields__}))
+        torch.manual_seed(5)
+        metrics = module.rl_update(m, opt, dict(batch), cfg, 3e-4, 4e-4)
+        results.append((metrics, [p.detach().clone() for p in m.parameters()]))
+    (old_m, old_w), (new_m, new_w) = results
+    assert all(torch.equal(a, b) for a, b in zip(old_w, new_w))
+    assert {k: new_m[k] for k in old_m} == old_m
+    assert {"grad_norm", "engine_gap_tokens", "engine_gap_seqs"} <= set(new_m) - set(old_m)
+
+
+def float64_rollout(prompts_per_step: int = 6):
+    """A float64 2-layer Llama of width 32 (the exact tests need the arithmetic, not the size), a
+    rollout of 4 completions per prompt, and advantages with every group's rewards spread."""
+    import random
+    tok = g.build_char_tokenizer()
+    model = tiny_llama_for(tok)
+    cfg = g.Config(prompts_per_step=prompts_per_step, group_size=4, minibatches=2, grad_clip=0.0)
+    problems = g.sample_train_problems(g.make_splits("add2", 40, 40), "add2", prompts_per_step, random.Random(0))
+    batch = g.rollout(model, tok, problems, cfg, "cpu")
+    torch.manual_seed(2)
+    n = prompts_per_step * 4
+    batch["advantages"] = g.group_advantages(torch.randint(0, 2, (n,)).double() + torch.rand(n, dtype=torch.float64), 4)
+    batch["sampler_logprobs"] = batch["sampler_logprobs"].double()
+    return model.double(), cfg, batch
+
+
+def update_weights(model, batch, cfg):
+    import copy
+    m = copy.deepcopy(model)
+    torch.manual_seed(9)                                   # the same chunks every call
+    metrics = g.rl_update(m, torch.optim.SGD(m.parameters(), lr=1.0), batch, cfg, *g.resolved_eps(cfg))
+    return metrics, torch.cat([p.detach().flatten() for p in m.parameters()])
+
+
+MICRO_CASES = [(loss, "paper") for loss in g.LOSSES] + [(loss, agg) for loss in g.LOSS_FNS
+                                                        for agg in ("dapo", "dr_grpo")]
+
+
+def test_micro_batches_give_the_one_pass_update():
+    """--micro-batch 4 (whole groups, prompt once) and 3 (rows, one full pass each) against one pass
+    over each minibatch of 12 rows by the same route (0: prompt once; 25, more than the rows and not
+    a multiple of G: one full pass per row), in float64 with SGD at lr 1 (the weights move by the
+    gradient itself): the same loss and the same gradient, for every loss and aggregation. (The two
+    routes differ from each other at float32 round-off: transformers' RMSNorm computes in float32.)"""
+    model, cfg, batch = float64_rollout()
+    for loss, aggregation in MICRO_CASES:
+        case = dataclasses.replace(cfg, loss=loss, aggregation=aggregation)
+        for rows, whole in ((4, 0), (3, 25)):
+            ref_m, ref = update_weights(model, batch, dataclasses.replace(case, micro_batch=whole))
+            m, w = update_weights(model, batch, dataclasses.replace(case, micro_batch=rows))
+            assert (w - ref).abs().max().item() < 1e-10, (loss, aggregation, rows)
+            assert m["loss"] == pytest.approx(ref_m["loss"], abs=1e-12), (loss, aggregation, rows)
+            assert m["clip_tokens"] == ref_m["clip_tokens"], (loss, aggregation, rows)
+
+
+def test_gradient_checkpointing_gives_the_same_update():
+    model, cfg, batch = float64_rollout()
+    ref_m, ref = update_weights(model, batch, dataclasses.replace(cfg, micro_batch=25))   # per row, as under it
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    m, w = update_weights(model, batch, dataclasses.replace(cfg, gradient_checkpointing=True))
+    assert (w - ref).abs().max().item() < 1e-10
+    assert m["loss"] == pytest.approx(ref_m["loss"], abs=1e-12)
+
+
+def test_a_plain_run_with_pi_old_from_a_bf16_sampler(tmp_path):
+    out = tmp_path / "engine"
+    assert g.main(["--old-logprobs", "sampler", "--sampler-dtype", "bfloat16", "--warmup-max-steps", "0",
+                   "--steps", "2", "--prompts-per-step", "4", "--group-size", "4", "--minibatches", "2",
+                   "--val-size", "8", "--test-size", "8", "--out", str(out)]) == 0
+    with open(out / "metrics.jsonl") as f:
+        rl = [json.loads(line) for line in f if '"rl"' in line]
+    assert len(rl) == 2
+    for r in rl:
+        assert r["engine_gap_tokens"] > 0 and r["engine_gap_seqs"] > 0
+        assert r["grad_norm"] == 0.0       # no warm-up: no reward yet, every advantage 0, no gradient
+        assert len(r["abs_log_s_q"]) == len(r["abs_token_log_ratio_q"]) == 2

@@ -560,7 +560,7 @@ def same_call(name: str, *args, **kwargs):
 
 def test_golden_the_loader_reads_the_commit_before_the_split():
     e = pre_split("experiments")
-    assert e.__name__ == "pre_split_experiments" and callable(e.figure_summary)
+    assert e.__name__ == "at_7b27243_experiments" and callable(e.figure_summary)
     assert callable(pre_split("trl_compare").cycle_stats)
 
 
