@@ -295,7 +295,7 @@ def test_an_interrupted_run_is_not_a_finished_one(tmp_path):
 
 # --- the studies as scripts: one file per study, each run as `python studies/NAME.py` ----------------
 STUDIES = ("common", "verify", "metrics", "figures", "family", "long", "pretrained", "gpu_check", "speed",
-           "trl_compare", "lens")
+           "trl_compare", "lens", "map", "two_process")
 ROOT_ON_PATH = "sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))"
 
 
@@ -339,6 +339,16 @@ def test_each_subcommand_and_child_process_reaches_its_function(monkeypatch, cap
                              (long, "figures_long", []), (pretrained, "pretrained", [])):
         monkeypatch.setattr(module, fn, lambda fn=fn: calls.append(fn))
         assert module.main(argv) == 0 and calls.pop() == fn
+    monkeypatch.setattr(regimes, "warm_start", lambda *args: calls.append(("warm_start", *args)))
+    assert regimes.main(["_warmup", "moe", "1", "runs/map/w"]) == 0                 # figures-map's child
+    assert calls.pop() == ("warm_start", ["--moe"], 1, "runs/map/w", "python studies/map.py _warmup moe 1 runs/map/w")
+    for fn, argv, expected in (("figures_map", [], (False,)), ("figures_map", ["--confirm"], (True,)),
+                               ("prototype", ["prototype"], ()), ("write_design", ["design"], ()),
+                               ("pilot", ["pilot"], ())):
+        monkeypatch.setattr(regimes, fn, lambda *args, fn=fn, **kw: calls.append((fn, *args, *kw.values()))
+                            or {"cells": {}, "projection": {"seconds": 0.0}, "step_fraction": 0.5,
+                                "projection_at_full_steps": {"seconds": 0.0}})
+        assert regimes.main(argv) == 0 and calls.pop() == (fn, *expected)
     assert metrics.main([tiny_run[0]]) == 0
     assert f"{tiny_run[0]}/metrics.jsonl, 4 RL steps" in capsys.readouterr().out
     assert speed.main(["nothing"]) == 2           # one line on stderr, exit 2 (test_bad_command_lines...)
@@ -1262,6 +1272,15 @@ def test_every_link_and_anchor_in_the_docs_resolves():
                 if anchor not in github_anchors(texts[path]):
                     broken.append(f"{name}: {target} (no such heading)")
     assert not broken, "\n".join(broken)
+
+
+def test_the_tutorial_stays_a_lesson_and_the_readme_a_page():
+    """tutorial.md at most 9,000 words (`wc -w`: about 45 minutes of reading), README.md at most
+    100 lines: what is measured goes to results.md, which the two link to."""
+    with open(os.path.join(HERE, "tutorial.md")) as f:
+        assert len(f.read().split()) <= 9000
+    with open(os.path.join(HERE, "README.md")) as f:
+        assert len(f.read().splitlines()) <= 100
 
 
 def test_github_anchor_rules():
