@@ -46,8 +46,9 @@ BUDGET_SECONDS = 70 * 60   # the first phase: warm-ups, every cell, the noise ru
 CONFIRM_BUDGET_SECONDS = 20 * 60
 # The step fraction: the largest multiple of 0.05 whose projected first phase, from the prototype's
 # timings, fits BUDGET_SECONDS less a margin; fixed from figures/map_prototype.json before the
-# measured run (`python studies/map.py prototype` prints it). None: not yet fixed.
-STEP_FRACTION: float | None = None
+# measured run (`python studies/map.py prototype` prints it). None: not yet fixed. Fixed at 0.35
+# from figures/map_prototype.json: the first phase projected at 62.9 min (117.5 at full steps).
+STEP_FRACTION: float | None = 0.35
 PROJECTION_MARGIN = 0.9    # the projection must fit 90% of the budget
 
 # The models each cell starts from: the script's flags for the warm-up and for the RL runs, and
