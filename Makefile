@@ -14,7 +14,7 @@ STAMP     := .venv/.installed
 STAMP_TRL := .venv-trl/.installed
 STAMP_PRE := .venv-pretrained/.installed
 
-.PHONY: train test check test-thorough verify figures trl test-trl bench test-pretrained pretrained figures-family figures-long gpu-check clean
+.PHONY: train test check test-thorough verify figures trl test-trl bench test-pretrained pretrained figures-family figures-long figures-map gpu-check clean
 
 $(STAMP): requirements.txt
 	rm -rf .venv
@@ -73,6 +73,9 @@ figures-family: $(STAMP)  ## every relative of GSPO and GSPO and GRPO on add2, 3
 
 figures-long: $(STAMP)  ## long answers (--task addwork): GSPO, GSPO-token, GRPO, the aggregation trap, 8 minibatches, the control, 3 seeds; variance on natural answers: figures/long.json and PNGs
 	$(PY) studies/long.py
+
+figures-map: $(STAMP)  ## do GSPO and GRPO part ways? nine regimes under a rule fixed before the runs: figures/map.json and map.png (first phase at most 70 min, resumable; CONFIRM=1: the confirmation, at most 20 min)
+	$(PY) studies/map.py$(if $(CONFIRM), --confirm,)
 
 gpu-check: $(if $(NOVENV),,$(STAMP_PRE))  ## the CUDA path against the CPU, in minutes (in .venv-pretrained, for its GGUF steps); NOVENV=1 PYTHON=python3 uses the host's own packages
 	$(if $(NOVENV),$(PYTHON),$(PY_PRE)) studies/gpu_check.py

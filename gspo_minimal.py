@@ -119,7 +119,8 @@ class Config:
     """rows per forward and backward pass inside a minibatch, their gradients added up before its one
     optimiser step: the same update at the memory of this many rows, a little slower. A multiple of
     --group-size keeps each prompt run once per group; 0: the whole minibatch in one pass. Default:
-    0 for a model under 20M parameters (the built-in ones), else --group-size (one group)"""
+    0 for a model under 20M parameters (the built-in ones), else about 1024 completion tokens per
+    pass (1024 // --max-new-tokens rows, at least 1): a 135M model's update then stays near 3 GB"""
     gradient_checkpointing: bool = False
     """recompute each layer's activations during the backward pass instead of keeping them (Hugging
     Face models): less memory for more time; the update then runs one full pass per row"""
@@ -1841,7 +1842,8 @@ def parse_config(argv: list[str] | None = None, cls=Config) -> Config:
 # instead of a run that swaps, or never ends.
 MAX_ROLLOUT = 2 ** 16          # completions per rollout, --prompts-per-step x --group-size
 MAX_HELD_OUT = 100_000         # --test-size + --val-size: every evaluation scores all of them
-MICRO_BATCH_ABOVE = 20_000_000  # parameters: above, --micro-batch defaults to one group
+MICRO_BATCH_ABOVE = 20_000_000  # parameters: above, --micro-batch defaults to
+MICRO_BATCH_TOKENS = 1024       # this many completion tokens per forward and backward pass
 MAX_NEW_TOKENS_BUILT_IN = 1024   # the built-in model's longest answer (addwork's) is 60 tokens
 FLAG_RANGES = {
     "seed": (0, 2 ** 64 - 1, "torch.manual_seed's range; random.Random would read -s as s"),
@@ -2051,7 +2053,7 @@ def prepare(cfg: Config):
         raise BadInput(f"--model {cfg.model}: cannot load it ({type(err).__name__}: {reason})") from None
     if cfg.micro_batch is None:     # the default: big models' activations on long answers need it
         big = sum(p.numel() for p in model.parameters()) > MICRO_BATCH_ABOVE
-        cfg.micro_batch = cfg.group_size if big else 0
+        cfg.micro_batch = max(1, MICRO_BATCH_TOKENS // cfg.max_new_tokens) if big else 0
     missing = unwritable_characters(tokenizer, task_of(cfg)) if cfg.model else ""
     if missing:
         needs = f"--data {cfg.data}" if cfg.data else f"--task {cfg.task}"

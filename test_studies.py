@@ -17,7 +17,7 @@ import torch
 
 import gspo_minimal as g
 from conftest import pre_split, tiny_llama_for
-from studies import common, family, figures, gpu_check, lens, long, metrics, pretrained, speed, trl_compare, verify
+from studies import common, family, figures, gpu_check, lens, long, map as regimes, metrics, pretrained, speed, trl_compare, verify
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 EXTRAS = ("requirements-trl.txt", "requirements-pretrained.txt")
@@ -162,6 +162,8 @@ def test_gpu_check_runs_its_checks_on_the_cpu_and_reports_them(tmp_path, monkeyp
     for loss in g.LOSS_FNS:
         assert vs_cpu[f"{loss}_grad_max_abs_err"] < 1e-5
     assert "skipped" in checks["gguf_model"]
+    engine = checks["bf16_sampler_run"]
+    assert engine["exit_code"] == 0 and engine["rl_steps"] == 5 and engine["engine_gap_tokens_mean"] > 0
     with open(tmp_path / "gpu_check.json") as f:
         assert json.load(f)["command"].startswith("python studies/gpu_check.py --device cpu")
     if not torch.cuda.is_available():
@@ -293,7 +295,7 @@ def test_an_interrupted_run_is_not_a_finished_one(tmp_path):
 
 # --- the studies as scripts: one file per study, each run as `python studies/NAME.py` ----------------
 STUDIES = ("common", "verify", "metrics", "figures", "family", "long", "pretrained", "gpu_check", "speed",
-           "trl_compare", "lens")
+           "trl_compare", "lens", "map", "two_process")
 ROOT_ON_PATH = "sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))"
 
 
@@ -337,6 +339,16 @@ def test_each_subcommand_and_child_process_reaches_its_function(monkeypatch, cap
                              (long, "figures_long", []), (pretrained, "pretrained", [])):
         monkeypatch.setattr(module, fn, lambda fn=fn: calls.append(fn))
         assert module.main(argv) == 0 and calls.pop() == fn
+    monkeypatch.setattr(regimes, "warm_start", lambda *args: calls.append(("warm_start", *args)))
+    assert regimes.main(["_warmup", "moe", "1", "runs/map/w"]) == 0                 # figures-map's child
+    assert calls.pop() == ("warm_start", ["--moe"], 1, "runs/map/w", "python studies/map.py _warmup moe 1 runs/map/w")
+    for fn, argv, expected in (("figures_map", [], (False,)), ("figures_map", ["--confirm"], (True,)),
+                               ("prototype", ["prototype"], ()), ("write_design", ["design"], ()),
+                               ("pilot", ["pilot"], ())):
+        monkeypatch.setattr(regimes, fn, lambda *args, fn=fn, **kw: calls.append((fn, *args, *kw.values()))
+                            or {"cells": {}, "projection": {"seconds": 0.0}, "step_fraction": 0.5,
+                                "projection_at_full_steps": {"seconds": 0.0}})
+        assert regimes.main(argv) == 0 and calls.pop() == (fn, *expected)
     assert metrics.main([tiny_run[0]]) == 0
     assert f"{tiny_run[0]}/metrics.jsonl, 4 RL steps" in capsys.readouterr().out
     assert speed.main(["nothing"]) == 2           # one line on stderr, exit 2 (test_bad_command_lines...)
@@ -429,10 +441,11 @@ def test_gpu_check_without_the_device_or_with_every_check_failed_writes_no_resul
         raise RuntimeError("no such device")
     monkeypatch.setattr(g, "main", broken)                        # the training run of every check
     monkeypatch.setattr(gpu_check, "device_against_cpu", broken)
-    refused(capsys, gpu_check.main(["--device", "cpu"]), status=1, says="2 of the checks failed")
+    refused(capsys, gpu_check.main(["--device", "cpu"]), status=1, says="3 of the checks failed")
     assert os.listdir(tmp_path) == []
     monkeypatch.setattr(gpu_check, "device_against_cpu", lambda device: {"token_logprobs_max_abs_err": 0.0})
-    refused(capsys, gpu_check.main(["--device", "cpu"]), status=1, says="1 of the checks failed: make_train_run")
+    refused(capsys, gpu_check.main(["--device", "cpu"]), status=1,
+            says="2 of the checks failed: make_train_run, bf16_sampler_run")
     with open(tmp_path / "gpu_check.json") as f:                  # what ran is kept, the failure in it
         assert "error" in json.load(f)["checks"]["make_train_run"]
 
@@ -1261,6 +1274,15 @@ def test_every_link_and_anchor_in_the_docs_resolves():
     assert not broken, "\n".join(broken)
 
 
+def test_the_tutorial_stays_a_lesson_and_the_readme_a_page():
+    """tutorial.md at most 9,000 words (`wc -w`: about 45 minutes of reading), README.md at most
+    100 lines: what is measured goes to results.md, which the two link to."""
+    with open(os.path.join(HERE, "tutorial.md")) as f:
+        assert len(f.read().split()) <= 9000
+    with open(os.path.join(HERE, "README.md")) as f:
+        assert len(f.read().splitlines()) <= 100
+
+
 def test_github_anchor_rules():
     assert github_anchors("## 7. A walk through `gspo_minimal.py`\n## Clipping: GSPO against GRPO\n## x\n## x") \
         == {"7-a-walk-through-gspo_minimalpy", "clipping-gspo-against-grpo", "x", "x-1"}
@@ -1289,3 +1311,129 @@ def test_the_bench_child_refuses_a_budget_that_is_not_a_number(tmp_path, capsys)
     assert trl_compare.main(["_side", "ours", str(tmp_path), "soon", "1", str(out)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "BUDGET" in err[0] and not out.exists()
+
+
+# --- make figures-map: the design, the decision rule, the records it keeps ---------------------
+def test_map_design_holds_every_cell_the_rule_and_its_null_probabilities():
+    d = regimes.design(0.5)
+    assert list(d["cells"]) == ["base", "deep", "hot", "deep_hot", "moe_deep_hot", "bf16_trainer",
+                                "bf16_sampler", "bf16_sampler_deep_hot", "addwork_deep_hot"]
+    assert d["cells"]["base"] == {"model": "dense", "task": "add2", "flags": [], "steps": 100}
+    assert d["cells"]["addwork_deep_hot"]["steps"] == 30 and d["seeds"] == [0, 1, 2]
+    assert d["cells"]["bf16_sampler_deep_hot"]["flags"] == ["--sampler-dtype", "bfloat16", "--old-logprobs",
+                                                            "sampler", "--minibatches", "16", "--lr", "8e-4"]
+    p = d["null_probabilities"]
+    assert p["same_sign_3_of_3_per_cell"] == 0.25 and p["same_sign_5_of_5_per_cell"] == 1 / 16
+    assert round(p["at_least_one_of_9_cells"], 2) == 0.92
+    assert "collapsed" in d["collapse"] and "a zero breaks it" in d["decision_rule"]
+    # every job is a valid command line of the script, waiting for its own warm-up
+    jobs = regimes.run_jobs_of(regimes.CELLS, (0, 1, 2), 0.5) + regimes.run_jobs_of(regimes.NOISE_FIRST, (0,), 0.5,
+                                                                                   noise=True)
+    assert len({j["name"] for j in jobs}) == len(jobs) == 9 * 2 * 3 + 2
+    parser = g.build_parser()
+    for job in jobs:                          # flags the script knows (the checkpoints do not exist yet)
+        cfg = parser.parse_args(job["cmd"][2:])
+        assert cfg.warmup_max_steps == 0 and job["needs"].startswith(os.path.dirname(cfg.model))
+    noise = [j for j in jobs if "_rl" in j["name"]]
+    assert [j["name"] for j in noise] == ["base_gspo_s0_rl100", "addwork_deep_hot_gspo_s0_rl100"]
+    assert noise[1]["needs"] == os.path.join(long.warm_dir(0), "summary.json")    # make figures-long's
+
+
+def test_map_rule_signs_noise_and_separation():
+    assert regimes.common_sign([0.1, 0.2, 0.01]) == 1 and regimes.common_sign([-0.1, -0.2, -0.3]) == -1
+    assert regimes.common_sign([0.1, 0.0, 0.2]) == 0 and regimes.common_sign([0.1, -0.1, 0.2]) == 0
+    after = {"base": {"gspo": {0: .5, 1: .6, 2: .55}, "grpo": {0: .52, 1: .61, 2: .5},
+                      "noise": {0: .53, 1: .58, 2: .55}},
+             "deep": {"gspo": {0: .55, 1: .65, 2: .6}, "grpo": {0: .5, 1: .6, 2: .55}},        # +0.05 each
+             "hot": {"gspo": {0: .5, 1: .5, 2: .5}, "grpo": {0: .52, 1: .52, 2: .52}},          # -0.02 each
+             "exact": {"gspo": {0: .53, 1: .53, 2: .53}, "grpo": {0: .5, 1: .5, 2: .5}},        # = the noise
+             "long": {"gspo": {0: .3, 1: .3, 2: .3}, "grpo": {0: .2, 1: .2, 2: .2}}}             # no noise at all
+    v = regimes.verdicts(after, {"base": "add2", "deep": "add2", "hot": "add2", "exact": "add2", "long": "addwork"})
+    assert v["base"]["noise"] == pytest.approx(0.03) and v["base"]["common_sign"] == 0
+    assert v["deep"]["separates"] and v["deep"]["ahead"] == "gspo" and v["deep"]["noise_from"].startswith("the largest")
+    assert not v["hot"]["separates"] and v["hot"]["ahead"] == "grpo"                  # 0.02 < 0.03
+    assert not v["exact"]["separates"]                                                # not above it
+    assert not v["long"]["separates"] and v["long"]["noise"] is None                  # no noise: no call
+
+
+def test_map_collapse_definition():
+    assert regimes.is_collapsed(0.5, [0.5, 0.6, 0.45, 0.45])          # both below 0.6 - 0.1 + ... = 0.5
+    assert not regimes.is_collapsed(0.5, [0.5, 0.6, 0.45, 0.5])       # the last one is not
+    assert regimes.is_collapsed(0.5, [0.44, 0.44])                    # below start - 0.05, never better
+    assert not regimes.is_collapsed(0.5, [0.46, 0.46]) and not regimes.is_collapsed(0.5, [0.1])
+
+
+def test_map_pools_each_minibatch_quantiles_over_the_steps():
+    rl = [{"abs_log_s_q": [[0, 0, 0, 0], [1, 2, 3, 9]]}, {"abs_log_s_q": [[0, 0, 0, 0], [3, 4, 5, 6]]},
+          {"abs_log_s_q": [[0, 0, 0, 0], [2, 3, 4, 5]]}]
+    assert regimes.pooled_quantiles(rl, "abs_log_s_q") == [[0, 0, 0, 0], [2, 3, 4, 9]]
+
+
+def test_map_step_fraction_is_the_largest_whose_projection_fits():
+    proto = {"cells": {c: {"overhead_seconds": 20.0, "seconds_per_step": 0.5 if CELLS_MODEL(c) != "addwork" else 8.0}
+                       for c in regimes.CELLS}, "warmup_seconds": {"dense": 40.0, "moe": 80.0, "addwork": 150.0}}
+    f = regimes.fraction_that_fits(proto)
+    fits = lambda x: regimes.projection(proto, x)["seconds"] <= regimes.PROJECTION_MARGIN * regimes.BUDGET_SECONDS
+    assert fits(f) and (f == 1.0 or not fits(round(f + 0.05, 2)))
+
+
+def CELLS_MODEL(cell: str) -> str:
+    return regimes.CELLS[cell][0]
+
+
+def test_map_pilot_reads_figures_json():
+    p = regimes.pilot()
+    with open(os.path.join(HERE, "figures", "figures.json")) as f:
+        runs = {r["name"]: r["accuracy_after_rl"] for r in json.load(f)["runs"]}
+    assert p["differences_by_seed"] == {s: runs[f"gspo_s{s}"] - runs[f"grpo_s{s}"] for s in (0, 1, 2)}
+    assert p["noise"] is None and not p["separates"]
+
+
+def test_map_summary_and_plot_on_fake_runs(tiny_run, tmp_path, monkeypatch):
+    """Every run folder the first phase leaves, copied from the tiny run with chosen accuracies and
+    validation curves: the records, the verdicts, the collapses and the plot."""
+    monkeypatch.chdir(tmp_path)
+    with open(os.path.join(tiny_run[0], "summary.json")) as f:
+        summary = json.load(f)
+    with open(os.path.join(tiny_run[0], "metrics.jsonl")) as f:
+        rl = [json.loads(line) for line in f if '"rl"' in line]
+
+    def write(folder, records, **fields):
+        os.makedirs(folder, exist_ok=True)
+        with open(os.path.join(folder, "summary.json"), "w") as f:
+            json.dump({**summary, **fields}, f)
+        with open(os.path.join(folder, "metrics.jsonl"), "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in records)
+    for model in regimes.MODELS:
+        for seed in (0, 1, 2):            # seed 0's dense warm-up ended far above its runs: they collapse
+            start = 0.9 if (model, seed) == ("dense", 0) else 0.3
+            write(regimes.warm_path(model, seed), [{"stage": "warmup", "step": 20, "val_acc": start}])
+    after = {"deep": 0.05, "hot": -0.02}                   # GSPO - GRPO on every seed; 0 elsewhere
+    for cell in regimes.CELLS:
+        for seed in (0, 1, 2):
+            runs = [("gspo", seed), ("grpo", seed)] + ([("gspo", seed + 100)] if cell == "base" else [])
+            for loss, rl_seed in runs:
+                acc = 0.5 + (after.get(cell, 0.0) if loss == "gspo" else 0.0) + (0.02 * seed if rl_seed > 99 else 0)
+                curve = [{**r, "val_acc": v} if "val_acc" in r else r for r, v in zip(rl, [0, .4, 0, .5])]
+                write(os.path.join(regimes.MAP_RUNS, regimes.run_name(cell, loss, seed, rl_seed)), curve,
+                      loss=loss, accuracy_after_rl=acc)
+    record = regimes.summarise({"design": regimes.design(0.5), "runs": [], "cells": {}})
+    cells = record["cells"]
+    assert cells["base"]["noise"] == pytest.approx(0.04) and cells["base"]["noise_from"] == "its own second RL streams"
+    assert record["separating_cells"] == ["deep"] and cells["deep"]["ahead"] == "gspo"
+    assert cells["hot"]["common_sign"] == -1 and not cells["hot"]["separates"]
+    assert cells["addwork_deep_hot"]["noise"] is None and cells["base"]["common_sign"] == 0
+    assert cells["deep"]["collapses"] == {"gspo": 1, "grpo": 1}           # seed 0's, on the dense model
+    assert cells["moe_deep_hot"]["collapses"] == {"gspo": 0, "grpo": 0}
+    runs = {r["name"]: r for r in record["runs"]}
+    assert len(runs) == 9 * 6 + 3
+    assert runs["base_gspo_s1_rl101"]["rl_seed"] == 101 and runs["base_gspo_s1"]["val_acc_at_rl_start"] == 0.3
+    assert "engine_gap_tokens" in runs["bf16_sampler_gspo_s0"] and "engine_gap_tokens" not in runs["deep_gspo_s0"]
+    assert len(runs["base_grpo_s2"]["abs_log_s_by_minibatch"]) == 2 and runs["base_grpo_s2"]["grad_norm_max"] >= 0
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    os.makedirs("figures")
+    regimes.plot_map(plt, record)
+    plt.close("all")
+    assert os.path.getsize(os.path.join("figures", "map.png")) > 10_000

@@ -154,6 +154,23 @@ def problems(n: int, rng: random.Random, task: str = "add2"):
     return g.sample_train_problems(splits(task), task, n, rng)
 
 
+def warm_start(flags: list[str], seed: int, out: str, command: str) -> None:
+    """The script's own supervised warm-up for `python gspo_minimal.py FLAGS --seed SEED` (its model
+    initialisation, its training problems, its stopping rule), saved in `out` as the checkpoint
+    every RL run of that seed starts from: one warm-up per seed instead of one per run."""
+    import dataclasses
+    cfg = g.parse_config([*flags, "--seed", str(seed), "--threads", "1", "--out", out])
+    t0 = time.perf_counter()
+    device, model, tok = g.prepare(cfg)
+    run = g.Run(cfg.out, t0, command=command)
+    split = g.make_splits(cfg.task, cfg.test_size, cfg.val_size)
+    with g.GracefulStop() as stop:
+        steps = g.warmup(model, tok, split, cfg, device, random.Random(cfg.seed), run, stop)
+    run.checkpoint(model, tok)
+    run.write_summary({"seed": seed, "warmup_steps": steps, "config": dataclasses.asdict(cfg),
+                       "interrupted": stop.requested, "wall_seconds": time.perf_counter() - t0})
+
+
 def one_update(model, tok, cfg: g.Config, rng: random.Random, opt) -> dict:
     """One real GSPO step at the script's defaults: a fresh rollout and its minibatch updates."""
     batch = g.rollout(model, tok, problems(cfg.prompts_per_step, rng, cfg.task), cfg, "cpu")

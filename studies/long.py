@@ -18,7 +18,6 @@ answers, and "Clipping: GSPO against GRPO" at 4 and 8 minibatches.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import os
 import random
@@ -34,7 +33,7 @@ import gspo_minimal as g  # noqa: E402
 from studies.common import (DEFAULTS, FIG_DIR, SEEDS, STYLE, Parser, big_rollout, binned_variance,  # noqa: E402
                             cli, fail, loglog_slope, logprobs_in_chunks, one_update, read_metrics,
                             read_json, read_summary, reused_runs, run_jobs, script_job, variance_panels,
-                            variance_profile, warm_optimizer, write_json)
+                            variance_profile, warm_optimizer, warm_start, write_json)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -63,20 +62,10 @@ LONG_EXTRA: list[str] = []     # flags added to every warm-up and run (the tests
 
 
 def long_warmup(seed: int, out: str, extra=()) -> None:
-    """The script's own warm-up for `--task addwork --seed SEED` (its model initialisation, its
-    training problems, its stopping rule), saved as a checkpoint that every RL run of that seed
-    starts from: one warm-up per seed instead of one per run."""
-    cfg = g.parse_config(["--task", "addwork", "--seed", str(seed), "--threads", "1",
-                          "--out", out, *extra])
-    t0 = time.perf_counter()
-    device, model, tok = g.prepare(cfg)
-    run = g.Run(cfg.out, t0, command=" ".join(["python studies/long.py _warmup", str(seed), out, *extra]))
-    split = g.make_splits(cfg.task, cfg.test_size, cfg.val_size)
-    with g.GracefulStop() as stop:
-        steps = g.warmup(model, tok, split, cfg, device, random.Random(cfg.seed), run, stop)
-    run.checkpoint(model, tok)
-    run.write_summary({"seed": seed, "warmup_steps": steps, "config": dataclasses.asdict(cfg),
-                       "interrupted": stop.requested, "wall_seconds": time.perf_counter() - t0})
+    """The script's own warm-up for `--task addwork --seed SEED`, saved as the checkpoint that every
+    RL run of that seed starts from (studies.common.warm_start)."""
+    warm_start(["--task", "addwork", *extra], seed, out,
+               " ".join(["python studies/long.py _warmup", str(seed), out, *extra]))
 
 
 def long_runs() -> list[tuple[str, list[str]]]:
