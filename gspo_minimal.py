@@ -3,6 +3,7 @@
     python gspo_minimal.py                 # the default run (`make train`): 1.05M-parameter model, 2-digit addition
     python gspo_minimal.py --loss grpo     # the same run with GRPO's token-level objective
     python gspo_minimal.py --task addwork  # long answers (15-60 tokens): column working, then the sum
+    python gspo_minimal.py --data f.jsonl  # your own problems: a JSONL file of prompts and answers
     python gspo_minimal.py --help          # every hyperparameter, with its meaning
 
 Papers:
@@ -28,9 +29,9 @@ sampling -> group advantages -> token log-probs -> the ratio identities -> the o
 GSPO-token, GRPO) -> their relatives (GMPO, SAPO, CISPO, LUSPO, VESPO, the off-policy sequence
 mask) -> batches and evaluation -> warm-up -> one GSPO step (rollout, minibatch updates)
 -> the training loop, `train()`, in one place -> main(). Below main() sits the plumbing, behind a
-banner: the run folder, Ctrl-C, the command line. The functions from `group_advantages` to
-`off_policy_sequence_mask` need only torch and each other: copy them into your own trainer as
-they are.
+banner: the run folder, Ctrl-C, the command line, reading a --data file. The functions from
+`group_advantages` to `off_policy_sequence_mask` need only torch and each other: copy them into
+your own trainer as they are.
 
 Honest list of simplifications (each is named again where it happens):
   * The model is tiny (4 layers, width 128) and the task is synthetic arithmetic with an exact-match
@@ -86,7 +87,16 @@ class Config:
     """problems: add2 (a+b, a,b < 100), add3 (a+b, a,b < 1000), mul2 (a*b, a,b < 100), addwork (a+b
     with 2 to 6 digits each, answered with its column working and then the sum: long answers; its
     own defaults for --max-new-tokens, --steps and the warm-up, see TASK_DEFAULTS), or add2-chat
-    (add2's problems asked as 'a + b = ?' of a chat model, needs --model; reward on the last number)"""
+    (add2's problems asked as 'a + b = ?' of a chat model, needs --model; reward on the last number).
+    Exclusive with --data"""
+    data: str = ""
+    """your own problems instead of --task: a JSONL file, one object a line with string fields
+    'prompt' and 'answer'. --test-size and --val-size rows are held out by a seeded split, never
+    trained on; the built-in model's warm-up learns to write the answers (then every character must
+    be one it has: digits, + * = |)"""
+    reward: str = "exact"
+    """reward of --data: exact (the stripped completion is the answer) or last-number (the last
+    number in it is; the answers must be integers); EOS required either way"""
     model: str = ""
     """Hugging Face causal LM with its tokenizer: a hub id, a local folder or a .gguf file (dequantised
     to float32; needs the gguf package); empty: the built-in tiny model"""
@@ -178,6 +188,7 @@ class Config:
 LOSSES = ("gspo", "gspo-token", "grpo", "gmpo", "sapo", "sapo-seq", "cispo", "luspo", "vespo")
 AGGREGATIONS = ("paper", "dapo", "dr_grpo")
 TASKS = ("add2", "add3", "mul2", "addwork", "add2-chat")
+REWARDS = ("exact", "last-number")      # --data's
 # addwork's answers are 15 to 60 tokens instead of 2 to 4: room to write them; a smaller warm-up
 # batch at a higher rate (results.md, "Notes on the runs", lists the settings tried), stopped a
 # little later, at 0.4, so that fewer groups start flat; 60 RL steps, validated every 5, so that one
@@ -198,9 +209,26 @@ def resolved_eps(cfg: Config) -> tuple[float | None, float | None]:
 
 
 # ---------------------------------------------------------------------------------------------
-# Task and reward: arithmetic problems, split into test / validation / training by their operands.
+# Task and reward: arithmetic problems, split into test / validation / training by their operands;
+# or the rows of a file of your own (--data), split the same way.
 # ---------------------------------------------------------------------------------------------
 DATA_SEED = 1234  # fixed: every run, whatever its --seed, is scored on the same test problems
+
+
+@dataclass(frozen=True)
+class DataTask:
+    """--data: a file's rows as the problems. A row is the pair (prompt, answer), as an arithmetic
+    problem is the pair (a, b), so the functions below that draw, split, ask and score problems serve
+    both. `read_data` (after main) reads the file and checks it."""
+    path: str
+    reward: str                                          # "exact" or "last-number" (REWARDS)
+    rows: tuple[tuple[str, str], ...] = dataclasses.field(repr=False)
+
+
+def task_of(cfg: Config) -> str | DataTask:
+    """What a run's problems come from: --task's name, or the rows of --data (read once per process,
+    so they never change under a run)."""
+    return read_data(cfg.data, cfg.reward) if cfg.data else cfg.task
 
 
 def task_spec(task: str) -> tuple[int, str]:
@@ -209,27 +237,40 @@ def task_spec(task: str) -> tuple[int, str]:
             "add2-chat": (100, "+")}[task]
 
 
-def draw_problem(task: str, rng: random.Random) -> tuple[int, int]:
+def draw_problem(task: str | DataTask, rng: random.Random) -> tuple:
     """One problem (a, b). addwork draws each operand's number of digits first, 2 to 6 uniformly,
-    so that short and long answers are equally common; the other tasks draw a and b uniformly."""
+    so that short and long answers are equally common; the other tasks draw a and b uniformly, and
+    a file one of its rows."""
+    if isinstance(task, DataTask):
+        return rng.choice(task.rows)
     if task == "addwork":
         return tuple(rng.randrange(10 ** (d - 1), 10 ** d) for d in (rng.randint(2, 6), rng.randint(2, 6)))
     n, _ = task_spec(task)
     return rng.randrange(n), rng.randrange(n)
 
 
-def problem_count(task: str) -> int:
-    """How many distinct problems a task has."""
+def problem_count(task: str | DataTask) -> int:
+    """How many distinct problems a task has (a file: its rows, no prompt twice)."""
+    if isinstance(task, DataTask):
+        return len(task.rows)
     n, _ = task_spec(task)
     return (n - 10) ** 2 if task == "addwork" else n * n        # addwork: no operand below 10
 
 
-def make_splits(task: str, test_size: int, val_size: int) -> dict:
+def held_out_room(task: str | DataTask) -> int:
+    """The most problems the test and validation sets may take together: half of a built-in task's
+    (training finds the rest by redrawing, which must stay quick), a file's rows but one to train on."""
+    n = problem_count(task)
+    return n - 1 if isinstance(task, DataTask) else n // 2
+
+
+def make_splits(task: str | DataTask, test_size: int, val_size: int) -> dict:
     """The fixed test set first, then validation; training later samples only from the rest.
 
-    A problem is its ordered operand pair (a, b), so 3+4 and 4+3 are different problems.
+    A problem is its ordered operand pair (a, b), so 3+4 and 4+3 are different problems; a file's
+    problem is its row, so the split depends on the rows' order, not on the run's --seed.
     """
-    if test_size + val_size > problem_count(task) // 2:
+    if test_size + val_size > held_out_room(task):
         raise ValueError(f"{task} has {problem_count(task)} problems: too few for "
                          f"{test_size + val_size} held out")
     rng = random.Random(DATA_SEED)
@@ -240,9 +281,9 @@ def make_splits(task: str, test_size: int, val_size: int) -> dict:
     return {"test": pairs[:test_size], "val": pairs[test_size:], "held_out": set(pairs)}
 
 
-def sample_train_problems(splits: dict, task: str, k: int, rng: random.Random) -> list[tuple[int, int]]:
+def sample_train_problems(splits: dict, task: str | DataTask, k: int, rng: random.Random) -> list[tuple]:
     """k training problems drawn as the held-out ones were, from outside the test and validation sets."""
-    out: list[tuple[int, int]] = []
+    out: list[tuple] = []
     while len(out) < k:
         pair = draw_problem(task, rng)
         if pair not in splits["held_out"]:
@@ -250,9 +291,12 @@ def sample_train_problems(splits: dict, task: str, k: int, rng: random.Random) -
     return out
 
 
-def prompt_text(task: str, a: int, b: int) -> str:
+def prompt_text(task: str | DataTask, a, b) -> str:
     """'07+45=': operands zero-padded, so every prompt of a task has the same length.
-    add2-chat asks a chat model in words its tokenizer knows: '7 + 45 = ?'."""
+    add2-chat asks a chat model in words its tokenizer knows: '7 + 45 = ?'. A file's row (a, b)
+    is (prompt, answer): its prompt as written."""
+    if isinstance(task, DataTask):
+        return a
     if task == "add2-chat":
         return f"{a} + {b} = ?"
     n, op = task_spec(task)
@@ -260,16 +304,18 @@ def prompt_text(task: str, a: int, b: int) -> str:
     return f"{a:0{width}d}{op}{b:0{width}d}="
 
 
-def answer_text(task: str, a: int, b: int) -> str:
-    """The result the reward checks: '52' for 07+45=."""
+def answer_text(task: str | DataTask, a, b) -> str:
+    """The result the reward checks: '52' for 07+45=; a file row's answer."""
+    if isinstance(task, DataTask):
+        return b
     return str(a * b if task_spec(task)[1] == "*" else a + b)
 
 
-def solution_text(task: str, a: int, b: int) -> str:
+def solution_text(task: str | DataTask, a, b) -> str:
     """What the warm-up teaches the model to write. For addwork, the column working, least
     significant column first, each column 'x+y=z' with '+1' for a carry, then the result:
     4581+77= -> '1+7=8|8+7=15|5+0+1=6|4+0=4|4658' (15 to 60 tokens with EOS, like a reasoning trace:
-    work first, answer last). For every other task, the answer alone."""
+    work first, answer last). For every other task, the answer alone (a file's 'answer' field)."""
     if task != "addwork":
         return answer_text(task, a, b)
     xs, ys = str(a)[::-1], str(b)[::-1]
@@ -282,20 +328,21 @@ def solution_text(task: str, a: int, b: int) -> str:
     return "|".join(columns + [str(a + b)])
 
 
-def reward(completion_ids: list[int], answer: str, tokenizer, *, task: str = "add2") -> float:
+def reward(completion_ids: list[int], answer: str, tokenizer, *, task: str | DataTask = "add2") -> float:
     """1.0 when the text before the first EOS is the answer, else 0.0.
 
     A completion that never stops gets 0, so the policy learns to end its answers. addwork scores
     the result after the last '|' only: the working is never checked, as a reasoning trace's is
     not (a bare result, no working at all, also scores). add2-chat scores a chat model's sentence
     ('7 + 45 = 52.') by the last number in it, the usual reading of a pretrained model's answer;
-    every other task wants the answer and nothing else.
+    every other task wants the answer and nothing else. A file is scored as its --reward says:
+    exact as add2, last-number as add2-chat.
     """
     eos = tokenizer.eos_token_id
     if eos not in completion_ids:
         return 0.0
     text = tokenizer.decode(completion_ids[:completion_ids.index(eos)], skip_special_tokens=True)
-    if task == "add2-chat":
+    if task == "add2-chat" or (isinstance(task, DataTask) and task.reward == "last-number"):
         numbers = re.findall(r"-?\d+", text.replace(",", ""))
         return float(bool(numbers) and numbers[-1] == answer)
     if task == "addwork":
@@ -306,16 +353,22 @@ def reward(completion_ids: list[int], answer: str, tokenizer, *, task: str = "ad
 # ---------------------------------------------------------------------------------------------
 # Tokenizer: one token per character, built with `tokenizers`, saved with every checkpoint.
 # ---------------------------------------------------------------------------------------------
-def build_char_tokenizer(task: str = "add2"):
-    """16 tokens: <pad>, <eos>, <unk>, the digits, '+', '*', '='; addwork adds '|', the separator of
-    its working (only there, so the other tasks' models stay as they were). pad != eos on purpose:
-    a mask built from `tokens != pad` would otherwise drop the EOS and the model would never learn
-    to stop."""
+def tiny_characters(task: str | DataTask) -> str:
+    """The characters the built-in tokenizer has a token for: the digits, '+', '*', '='; '|', the
+    separator of addwork's working, for addwork and a file only (so the other tasks' models stay as
+    they were)."""
+    return "0123456789+*=" + ("|" if task == "addwork" or isinstance(task, DataTask) else "")
+
+
+def build_char_tokenizer(task: str | DataTask = "add2"):
+    """16 tokens: <pad>, <eos>, <unk> and the 13 `tiny_characters` (17 with '|'). pad != eos on
+    purpose: a mask built from `tokens != pad` would otherwise drop the EOS and the model would
+    never learn to stop."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     specials = ["<pad>", "<eos>", "<unk>"]
-    chars = "0123456789+*=" + ("|" if task == "addwork" else "")
+    chars = tiny_characters(task)
     vocab = {tok: i for i, tok in enumerate(specials + list(chars))}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")  # every character
@@ -372,8 +425,10 @@ def build(cfg: Config, device):
         if cfg.no_chat_template:          # encode_prompts then writes prompts as plain text
             tokenizer.chat_template = None
     else:
-        tokenizer = build_char_tokenizer(cfg.task)
-        longest = len(prompt_text(cfg.task, 0, 0)) + cfg.max_new_tokens      # a token per character
+        task = task_of(cfg)
+        tokenizer = build_char_tokenizer(task)
+        prompts = [p for p, _ in task.rows] if isinstance(task, DataTask) else [prompt_text(task, 0, 0)]
+        longest = max(map(len, prompts)) + cfg.max_new_tokens              # a token per character
         model = build_tiny_model(tokenizer, moe=cfg.moe,   # 64 positions, or the next power of 2 up
                                  positions=max(64, 1 << (longest - 1).bit_length()))
     if cfg.gradient_checkpointing:     # its layers recompute only in training mode (dropout 0 here)
@@ -905,9 +960,9 @@ def group_policy_logprobs(model, prompt_ids, prompt_mask, completions, group_siz
 
 
 @torch.no_grad()
-def accuracy(model, tokenizer, task: str, problems, max_new_tokens: int, device,
+def accuracy(model, tokenizer, task: str | DataTask, problems, max_new_tokens: int, device,
              batch_size: int = 512) -> float:
-    """Greedy exact-match accuracy (EOS required) over a list of (a, b) problems."""
+    """Greedy accuracy (the task's reward, EOS required) over a list of (a, b) problems."""
     hits = 0.0
     for i in range(0, len(problems), batch_size):
         chunk = problems[i:i + batch_size]
@@ -927,9 +982,9 @@ def accuracy(model, tokenizer, task: str, problems, max_new_tokens: int, device,
 # accuracy first reaches `warmup_target` (0.3): enough groups then hold both successes and failures,
 # and everything beyond that is RL's work. (A departure from the paper, which starts from a
 # pretrained model.)
-def supervised_loss(model, tokenizer, task: str, problems, device) -> torch.Tensor:
+def supervised_loss(model, tokenizer, task: str | DataTask, problems, device) -> torch.Tensor:
     """Mean token negative log-likelihood of 'solution<eos>' after each prompt (`solution_text`:
-    the answer alone, or addwork's working and answer)."""
+    the answer alone, a file's 'answer' field, or addwork's working and answer)."""
     ids, attn = encode_prompts(tokenizer, [prompt_text(task, a, b) for a, b in problems], device)
     answers = [tokenizer(solution_text(task, a, b), add_special_tokens=False).input_ids
                + [tokenizer.eos_token_id] for a, b in problems]
@@ -946,19 +1001,20 @@ def warmup(model, tokenizer, splits, cfg: Config, device, rng: random.Random, ru
 
     `run.log` records progress; `stop.requested` turns true after Ctrl-C (both defined at the end).
     """
+    task = task_of(cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.warmup_lr)
-    val_acc = accuracy(model, tokenizer, cfg.task, splits["val"], cfg.max_new_tokens, device)
+    val_acc = accuracy(model, tokenizer, task, splits["val"], cfg.max_new_tokens, device)
     step = 0
     while val_acc < cfg.warmup_target and step < cfg.warmup_max_steps and not stop.requested:
         step += 1
-        loss = supervised_loss(model, tokenizer, cfg.task,
-                               sample_train_problems(splits, cfg.task, cfg.warmup_batch, rng), device)
+        loss = supervised_loss(model, tokenizer, task,
+                               sample_train_problems(splits, task, cfg.warmup_batch, rng), device)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         stop_if_not_finite(f"warm-up step {step}", loss, model)   # before the update reaches the weights
         opt.step()
         if step % 20 == 0:       # supervised accuracy jumps suddenly: look often, it costs little
-            val_acc = accuracy(model, tokenizer, cfg.task, splits["val"], cfg.max_new_tokens, device)
+            val_acc = accuracy(model, tokenizer, task, splits["val"], cfg.max_new_tokens, device)
             run.log({"stage": "warmup", "step": step, "loss": loss.item(), "val_acc": val_acc},
                     f"warm-up {step} | loss {loss.item():.3f} | val_acc {val_acc:.2f}")
     return step
@@ -981,16 +1037,16 @@ def sampling_model(model, cfg: Config):
 def rollout(model, tokenizer, problems, cfg: Config, device) -> dict:
     """Sample G completions per prompt with `model` (the sampler), score them, and compute group
     advantages. `sampler_logprobs` is the sampler's own record of its tokens' log-probs."""
-    G = cfg.group_size
-    texts = [prompt_text(cfg.task, a, b) for a, b in problems for _ in range(G)]   # group after group
+    G, task = cfg.group_size, task_of(cfg)
+    texts = [prompt_text(task, a, b) for a, b in problems for _ in range(G)]       # group after group
     prompt_ids, prompt_mask = encode_prompts(tokenizer, texts, device)            # (B, P)
     completions, sampled = sample_completions(model, prompt_ids, prompt_mask, cfg.max_new_tokens,
                                               tokenizer.eos_token_id, tokenizer.pad_token_id,
                                               temperature=cfg.temperature, group_size=G,
                                               with_logprobs=True)                  # (B, T) each
     mask = completion_mask(completions, tokenizer.eos_token_id)                    # (B, T)
-    answers = [answer_text(cfg.task, a, b) for a, b in problems for _ in range(G)]
-    rewards = torch.tensor([reward(row, ans, tokenizer, task=cfg.task) for row, ans in
+    answers = [answer_text(task, a, b) for a, b in problems for _ in range(G)]
+    rewards = torch.tensor([reward(row, ans, tokenizer, task=task) for row, ans in
                             zip(completions.tolist(), answers)], device=device)    # (B,)
     if cfg.shuffle_rewards:           # the control: same reward statistics, no relation to answers
         rewards = rewards[torch.randperm(len(rewards), device=device)]
@@ -1211,7 +1267,8 @@ def train(cfg: Config, model, tokenizer, device, run, stop) -> dict:
     update is taken), without either: its last checkpoint stays its result and `stop_reason`
     says why. Returns what summary.json holds.
     """
-    splits = make_splits(cfg.task, cfg.test_size, cfg.val_size)
+    task = task_of(cfg)                            # --task's name, or the rows of --data
+    splits = make_splits(task, cfg.test_size, cfg.val_size)
     rng = random.Random(cfg.seed)                  # training prompts; the held-out splits are fixed
     eps_low, eps_high = resolved_eps(cfg)
     G = cfg.group_size
@@ -1224,7 +1281,7 @@ def train(cfg: Config, model, tokenizer, device, run, stop) -> dict:
         #    accuracy it reached and the first checkpoint (the run folder appears in --out here).
         summary["warmup_steps"] = warmup(model, tokenizer, splits, cfg, device, rng, run, stop)
         if not stop.requested:                # after a Ctrl-C in the warm-up, straight to the end
-            summary["accuracy_before_rl"] = accuracy(model, tokenizer, cfg.task, splits["test"],
+            summary["accuracy_before_rl"] = accuracy(model, tokenizer, task, splits["test"],
                                                      cfg.max_new_tokens, device)
             run.checkpoint(model, tokenizer)
             print(f"warm-up done after {summary['warmup_steps']} steps | "
@@ -1239,14 +1296,14 @@ def train(cfg: Config, model, tokenizer, device, run, stop) -> dict:
             # Rollout: G completions for each of `prompts_per_step` fresh training problems, their
             # rewards, and the group advantages. The model as it is now is pi_old; it samples, or
             # (--sampler-dtype bfloat16) a bf16 copy of it does, as an inference engine would.
-            problems = sample_train_problems(splits, cfg.task, cfg.prompts_per_step, rng)
+            problems = sample_train_problems(splits, task, cfg.prompts_per_step, rng)
             batch = rollout(sampling_model(model, cfg), tokenizer, problems, cfg, device)
             # Update: one clipped step per minibatch of whole groups; all but the first off-policy.
             m = rl_update(model, opt, batch, cfg, eps_low, eps_high)
             sched.step()                                 # the learning rate decays once per rollout
             # Evaluate on the validation set, and checkpoint, every `eval_every` steps and at the end.
             if step % cfg.eval_every == 0 or step == cfg.steps:
-                m["val_acc"] = accuracy(model, tokenizer, cfg.task, splits["val"],
+                m["val_acc"] = accuracy(model, tokenizer, task, splits["val"],
                                         cfg.max_new_tokens, device)
                 run.checkpoint(model, tokenizer)
             # Log: one object in metrics.jsonl and one progress line, the same names in both.
@@ -1276,7 +1333,7 @@ def train(cfg: Config, model, tokenizer, device, run, stop) -> dict:
         if summary["stop_reason"] is None:
             # a run stopped in its warm-up stays in <out>.incomplete: an earlier run in --out is kept
             run.checkpoint(model, tokenizer, promote=summary["accuracy_before_rl"] is not None)
-            summary["accuracy_after_rl"] = stop.cut_short(accuracy, model, tokenizer, cfg.task,
+            summary["accuracy_after_rl"] = stop.cut_short(accuracy, model, tokenizer, task,
                                                           splits["test"], cfg.max_new_tokens, device)
         summary["final_evaluation_interrupted"] = stop.cut    # then accuracy_after_rl is null
         summary["interrupted"] = stop.requested
@@ -1301,7 +1358,7 @@ def main(argv: list[str] | None = None) -> int:
         print("\ninterrupted before the run began: nothing was written", file=sys.stderr)
         return 130
     n_params = sum(p.numel() for p in model.parameters())
-    print(f"{cfg.loss} | {type(model).__name__} {n_params / 1e6:.2f}M params | {cfg.task} | "
+    print(f"{cfg.loss} | {type(model).__name__} {n_params / 1e6:.2f}M params | {cfg.data or cfg.task} | "
           f"device {device} | seed {cfg.seed} | out {cfg.out}", flush=True)
     try:
         run = Run(cfg.out, t_start, command=" ".join(["python gspo_minimal.py", *argv]))
@@ -1321,7 +1378,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 # =============================================================================================
-# Nothing below is GSPO: the run folder, Ctrl-C, the command line.
+# Nothing below is GSPO: the run folder, Ctrl-C, the command line, reading a --data file.
 # =============================================================================================
 # --- The run folder: metrics.jsonl, atomic checkpoints, summary.json --------------------------
 MARKER = ".gspo_minimal_run"   # says "this script wrote this folder", so it may be replaced
@@ -1767,6 +1824,13 @@ def parse_config(argv: list[str] | None = None, cls=Config) -> Config:
     blank = argparse.Namespace(**{f.name: unset for f in dataclasses.fields(cls)})
     ns = build_parser(cls).parse_args(argv, blank)
     given = {k: v for k, v in vars(ns).items() if v is not unset}                 # on the line
+    if "data" in given and not given["data"]:
+        raise BadInput("--data needs a file name")
+    if "data" in given and "task" in given:
+        raise BadInput("--task and --data exclude each other: the problems come from a built-in task "
+                       "or from your file")
+    if "reward" in given and "data" not in given:
+        raise BadInput("--reward is --data's; each --task has a reward of its own (see --help)")
     cfg = cls(**{**TASK_DEFAULTS.get(given.get("task", cls.task), {}), **given})
     validate(cfg)
     return cfg
@@ -1817,6 +1881,8 @@ def validate(cfg: Config) -> None:
         raise BadInput(f"unknown --loss {cfg.loss!r}; choose one of {', '.join(LOSSES)}")
     if cfg.task not in TASKS:
         raise BadInput(f"unknown --task {cfg.task!r}; choose one of {', '.join(TASKS)}")
+    if cfg.reward not in REWARDS:
+        raise BadInput(f"unknown --reward {cfg.reward!r}; choose one of {', '.join(REWARDS)}")
     if cfg.device not in ("auto", "cpu", "cuda"):
         raise BadInput(f"unknown --device {cfg.device!r}; choose auto, cpu or cuda")
     for f in dataclasses.fields(cfg):        # every number finite: argparse's float() takes nan and inf
@@ -1862,14 +1928,20 @@ def validate(cfg: Config) -> None:
         raise BadInput(f"--temperature must lie in [0.01, 100] (below, every completion of a prompt is "
                        f"the greedy one and every group flat; above, sampling is noise), got "
                        f"{cfg.temperature}")
-    n = problem_count(cfg.task)
-    if cfg.test_size + cfg.val_size > min(n // 2, MAX_HELD_OUT):
-        raise BadInput(f"--test-size + --val-size must be at most {min(n // 2, MAX_HELD_OUT)} for "
-                       f"{cfg.task} (half of its {n} problems, and at most {MAX_HELD_OUT}), got "
-                       f"{cfg.test_size + cfg.val_size}")
+    task = task_of(cfg)                       # a --data file is read and checked here (`read_data`)
+    n, room = problem_count(task), min(held_out_room(task), MAX_HELD_OUT)
+    if cfg.test_size + cfg.val_size > room:
+        of = (f"--data {cfg.data} (its {n} rows but one, to train on" if cfg.data else
+              f"{cfg.task} (half of its {n} problems")
+        raise BadInput(f"--test-size + --val-size must be at most {room} for {of}, and at most "
+                       f"{MAX_HELD_OUT}), got {cfg.test_size + cfg.val_size}")
     if not cfg.model and cfg.max_new_tokens > MAX_NEW_TOKENS_BUILT_IN:
         raise BadInput(f"--max-new-tokens must be at most {MAX_NEW_TOKENS_BUILT_IN} for the built-in "
                        f"model (each token is a position), got {cfg.max_new_tokens}")
+    if cfg.data and not cfg.model:
+        problem = built_in_model_problem(task, cfg.max_new_tokens)
+        if problem:
+            raise BadInput(f"--data {cfg.data}: {problem}")
     if cfg.task == "add2-chat" and not cfg.model:
         raise BadInput("--task add2-chat asks in words: it needs a pretrained --model, not the "
                        "built-in character tokenizer")
@@ -1946,13 +2018,13 @@ def local_model_problem(path: str) -> str | None:
     return None
 
 
-def unwritable_characters(tokenizer, task: str) -> str:
-    """The characters of the task's prompts and solutions that `tokenizer` cannot write (each one
-    encoded alone and decoded again), e.g. '|' for an add2 checkpoint on addwork: an answer it
-    cannot write can never earn a reward."""
+def unwritable_characters(tokenizer, task: str | DataTask) -> str:
+    """The characters of the task's prompts and solutions (50 drawn problems; every row of a file)
+    that `tokenizer` cannot write (each one encoded alone and decoded again), e.g. '|' for an add2
+    checkpoint on addwork: an answer it cannot write can never earn a reward."""
     rng = random.Random(DATA_SEED)
-    text = "".join(prompt_text(task, a, b) + solution_text(task, a, b)
-                   for a, b in (draw_problem(task, rng) for _ in range(50)))
+    problems = task.rows if isinstance(task, DataTask) else [draw_problem(task, rng) for _ in range(50)]
+    text = "".join(prompt_text(task, a, b) + solution_text(task, a, b) for a, b in problems)
     return "".join(c for c in sorted(set(text)) if not c.isspace() and tokenizer.decode(
         tokenizer(c, add_special_tokens=False).input_ids, skip_special_tokens=True).strip() != c)
 
@@ -1982,11 +2054,84 @@ def prepare(cfg: Config):
     if cfg.micro_batch is None:     # the default: big models' activations on long answers need it
         big = sum(p.numel() for p in model.parameters()) > MICRO_BATCH_ABOVE
         cfg.micro_batch = max(1, MICRO_BATCH_TOKENS // cfg.max_new_tokens) if big else 0
-    missing = unwritable_characters(tokenizer, cfg.task) if cfg.model else ""
+    missing = unwritable_characters(tokenizer, task_of(cfg)) if cfg.model else ""
     if missing:
-        raise BadInput(f"--model {cfg.model}: its tokenizer cannot write {missing!r}, which --task "
-                       f"{cfg.task} needs (a checkpoint of another task?)")
+        needs = f"--data {cfg.data}" if cfg.data else f"--task {cfg.task}"
+        raise BadInput(f"--model {cfg.model}: its tokenizer cannot write {missing!r}, which {needs} "
+                       "needs (a checkpoint of another task?)")
     return device, model, tokenizer
+
+
+# --- --data: a JSONL file of problems, read once and checked line by line ----------------------
+JSON_KINDS = {dict: "an object", list: "an array", str: "a string", int: "a number", float: "a number",
+              bool: "true or false", type(None): "null"}
+
+
+@functools.cache
+def read_data(path: str, reward: str) -> DataTask:
+    """The rows of a --data file: one JSON object a line (blank lines skipped) with non-empty string
+    fields "prompt" and "answer" (other fields ignored), no prompt twice, an integer answer for
+    --reward last-number. The answer is stripped, as the reward strips a completion. Anything else
+    is BadInput, naming the line. Cached for the process: a run reads its file once (`task_of`), so
+    its problems never change under it (code that rewrites the file in-process calls cache_clear)."""
+    if not os.path.isfile(path):
+        raise BadInput(f"--data {path}: " + ("not a file" if os.path.exists(path) else "no such file"))
+    rows, first_seen = [], {}
+    try:
+        with open(path, encoding="utf-8-sig") as f:       # -sig: a byte-order mark is not JSON
+            for number, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                prompt, answer = data_row(line, f"--data {path} line {number}", reward)
+                if prompt in first_seen:
+                    raise BadInput(f"--data {path} line {number} repeats the prompt of line "
+                                   f"{first_seen[prompt]}: a prompt may appear once, so that no "
+                                   "held-out prompt is trained on")
+                first_seen[prompt] = number
+                rows.append((prompt, answer))
+    except (OSError, UnicodeDecodeError) as err:
+        raise BadInput(f"--data {path}: cannot read it ({type(err).__name__}: {err})") from None
+    if not rows:
+        raise BadInput(f"--data {path} is empty: write one JSON object a line, "
+                       '{"prompt": "...", "answer": "..."}')
+    return DataTask(path, reward, tuple(rows))
+
+
+def data_row(line: str, where: str, reward: str) -> tuple[str, str]:
+    """One line of a --data file -> (prompt, answer), or BadInput saying what is wrong with it."""
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as err:
+        raise BadInput(f"{where} is not JSON ({err.msg})") from None
+    if not isinstance(row, dict):
+        raise BadInput(f'{where} is {JSON_KINDS[type(row)]}, not an object {{"prompt": ..., "answer": ...}}')
+    for field in ("prompt", "answer"):
+        if field not in row:
+            raise BadInput(f"{where} has no {field!r} field")
+        if not isinstance(row[field], str):
+            raise BadInput(f"{where}: {field!r} must be a string, got {JSON_KINDS[type(row[field])]}")
+        if not row[field].strip():
+            raise BadInput(f"{where}: {field!r} is empty")
+    answer = row["answer"].strip()
+    if reward == "last-number" and not re.fullmatch(r"-?\d+", answer):
+        raise BadInput(f"{where}: --reward last-number compares the last number of a completion with "
+                       f"the answer, which must be an integer, got {answer[:40]!r}")
+    return row["prompt"], answer
+
+
+def built_in_model_problem(task: DataTask, max_new_tokens: int) -> str | None:
+    """Why the built-in model cannot learn a file's rows, or None: it has a token for each of
+    `tiny_characters` only, and writes an answer a character a token, then EOS."""
+    used = set("".join(prompt + answer for prompt, answer in task.rows))
+    foreign = "".join(sorted(used - set(tiny_characters(task))))
+    if foreign:
+        return (f"it uses characters the built-in model has no token for, {foreign[:60]!r} (it has "
+                f"{tiny_characters(task)!r}): pass a --model with a tokenizer of its own")
+    longest = max(len(answer) for _, answer in task.rows)
+    if longest >= max_new_tokens:
+        return (f"its longest answer has {longest} characters, which the built-in model writes in "
+                f"{longest + 1} tokens with EOS: give --max-new-tokens {longest + 1} or more")
+    return None
 
 
 if __name__ == "__main__":

@@ -1026,3 +1026,178 @@ def test_a_plain_run_with_pi_old_from_a_bf16_sampler(tmp_path):
         assert r["engine_gap_tokens"] > 0 and r["engine_gap_seqs"] > 0
         assert r["grad_norm"] == 0.0       # no warm-up: no reward yet, every advantage 0, no gradient
         assert len(r["abs_log_s_q"]) == len(r["abs_token_log_ratio_q"]) == 2
+
+
+# --- --data: your own problems from a JSONL file ------------------------------------------------
+def jsonl(path, rows) -> str:
+    """Write `rows` one a line (a dict as JSON, a str as it is) and return the path as a string."""
+    path.write_text("".join((row if isinstance(row, str) else json.dumps(row)) + "\n" for row in rows))
+    return str(path)
+
+
+# add2's problems with operands below 20, as a file: 400 rows the built-in model can read
+ROWS = [{"prompt": f"{a:02d}+{b:02d}=", "answer": str(a + b)} for a in range(20) for b in range(20)]
+PAIRS = {(row["prompt"], row["answer"]) for row in ROWS}
+
+
+def data_flags(tmp, rows=ROWS, *flags) -> list[str]:
+    """--data and a file of `rows` written under tmp, then `flags`."""
+    return ["--data", jsonl(tmp / "d.jsonl", rows), *flags]
+
+
+BAD_DATA = {   # case -> (tmp_path -> the argv after TINY, what the one line says)
+    "missing file": (lambda tmp: ["--data", str(tmp / "none.jsonl")], "none.jsonl: no such file"),
+    "empty file": (lambda tmp: data_flags(tmp, []), "is empty"),
+    "blank lines only": (lambda tmp: data_flags(tmp, ["", "  "]), "is empty"),
+    "a line that is not JSON": (lambda tmp: data_flags(tmp, ROWS[:6] + ["{'prompt': '1'}"] + ROWS[6:]),
+                                "line 7 is not JSON"),
+    "a line that is not an object": (lambda tmp: data_flags(tmp, ROWS[:1] + ['["1+1=", "2"]'] + ROWS[1:]),
+                                     "line 2 is an array"),
+    "a missing prompt": (lambda tmp: data_flags(tmp, ROWS + [{"question": "1+1=", "answer": "2"}]),
+                         "line 401 has no 'prompt' field"),
+    "a missing answer": (lambda tmp: data_flags(tmp, [{"prompt": "1+1="}] + ROWS), "line 1 has no 'answer'"),
+    "a number for the answer": (lambda tmp: data_flags(tmp, [{"prompt": "1+1=", "answer": 2}] + ROWS),
+                                "'answer' must be a string, got a number"),
+    "a null prompt": (lambda tmp: data_flags(tmp, ROWS[:3] + [{"prompt": None, "answer": "2"}] + ROWS[3:]),
+                      "line 4: 'prompt' must be a string, got null"),
+    "an empty answer": (lambda tmp: data_flags(tmp, ROWS + [{"prompt": "1+1=", "answer": " "}]),
+                        "'answer' is empty"),
+    "a duplicate prompt far from the first": (lambda tmp: data_flags(tmp, ROWS + [{**ROWS[5], "answer": "0"}]),
+                                              "line 401 repeats the prompt of line 6"),
+    "fewer rows than the held-out sets need": (lambda tmp: data_flags(tmp, ROWS[:80]),
+                                               "must be at most 79 for --data"),
+    "the default held-out sets on a small file": (lambda tmp: data_flags(tmp, ROWS, "--test-size", "500",
+                                                                   "--val-size", "300"), "got 800"),
+    "--task with --data": (lambda tmp: data_flags(tmp, ROWS, "--task", "add2"), "--task and --data exclude"),
+    "--reward without --data": (lambda tmp: ["--reward", "last-number"], "--reward is --data's"),
+    "--data with no name": (lambda tmp: ["--data", ""], "--data needs a file name"),
+    "an unknown reward": (lambda tmp: data_flags(tmp, ROWS, "--reward", "fuzzy"), "unknown --reward 'fuzzy'"),
+    "a character the built-in model lacks": (
+        lambda tmp: data_flags(tmp, ROWS + [{"prompt": "1 - 1 =", "answer": "0"}]), "no token for, ' -'"),
+    "last-number with an answer that is no integer": (
+        lambda tmp: data_flags(tmp, ROWS + [{"prompt": "1+1=", "answer": "two"}], "--reward", "last-number"),
+        "line 401: --reward last-number"),
+    "an answer longer than --max-new-tokens": (lambda tmp: data_flags(tmp, ROWS, "--max-new-tokens", "2"),
+                                               "give --max-new-tokens 3 or more"),
+}
+
+
+@pytest.mark.parametrize("make, says", BAD_DATA.values(), ids=BAD_DATA.keys())
+def test_a_bad_data_file_gets_one_line_and_exit_2_before_any_model_is_built(make, says, tmp_path, capsys,
+                                                                           monkeypatch):
+    monkeypatch.setattr(g, "build", None)           # building a model would fail loudly
+    out = tmp_path / "never"
+    code, cap = run_main(TINY + make(tmp_path) + ["--out", str(out)], capsys)
+    lines = cap.err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("gspo_minimal.py: error:"), cap.err
+    assert says in lines[0] and "Traceback" not in cap.err and cap.out == "", lines[0]
+    assert not out.exists()
+
+
+def test_a_files_split_is_seeded_disjoint_and_never_trained_on(tmp_path):
+    task = g.read_data(jsonl(tmp_path / "d.jsonl", ROWS), "exact")
+    first, again = g.make_splits(task, 100, 50), g.make_splits(task, 100, 50)
+    assert first["test"] == again["test"] and first["val"] == again["val"]      # every run, any --seed
+    assert len(set(first["test"])) == 100 and len(set(first["val"])) == 50
+    assert not set(first["test"]) & set(first["val"]) and first["held_out"] <= PAIRS
+    assert first["test"] != sorted(first["test"])                               # drawn, not the first rows
+    train = g.sample_train_problems(first, task, 3000, random.Random(0))
+    assert set(train) == PAIRS - first["held_out"]          # every other row, and only those
+    smallest = g.read_data(jsonl(tmp_path / "s.jsonl", ROWS[:81]), "exact")    # 40 + 40 held out, 1 left
+    split = g.make_splits(smallest, 40, 40)
+    assert len(set(g.sample_train_problems(split, smallest, 20, random.Random(0)))) == 1
+
+
+def test_a_files_rewards_exact_and_last_number_both_need_eos(bpe_tokenizer, tmp_path):
+    tok = bpe_tokenizer
+    exact, last = g.DataTask("d.jsonl", "exact", ()), g.DataTask("d.jsonl", "last-number", ())
+
+    def r(text, task, stop=True):
+        ids = tok(text, add_special_tokens=False).input_ids + ([tok.eos_token_id] if stop else [])
+        return g.reward(ids, "12", tok, task=task)
+    assert r(" 12 ", exact) == 1.0 and r("12.", exact) == 0.0 and r("17 minus 5 is 12", exact) == 0.0
+    assert r("17 minus 5 is 12.", last) == 1.0 and r("12, not 11", last) == 0.0
+    assert r("12", exact, stop=False) == 0.0 and r("12", last, stop=False) == 0.0
+    # the answer is read stripped, as the completion is; the prompt as written
+    task = g.read_data(jsonl(tmp_path / "d.jsonl", [{"prompt": "1+11= ", "answer": " 12\n", "id": 3}]), "exact")
+    assert task.rows == (("1+11= ", "12"),)
+
+
+def test_the_built_in_model_has_room_for_a_files_longest_prompt(tmp_path):
+    rows = ROWS + [{"prompt": "1" * 100 + "=", "answer": "1"}]
+    cfg = g.parse_config(TINY + data_flags(tmp_path, rows) + ["--out", str(tmp_path / "x")])
+    model, tok = g.build(cfg, "cpu")
+    assert model.config.max_position_embeddings == 128 and len(tok) == 17     # 101 + 6; '|' included
+
+
+def test_a_data_run_from_a_checkpoint_asks_and_scores_the_files_rows_as_the_built_in_task(tiny_run, tmp_path,
+                                                                                         capsys):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    start, argv = os.path.join(tiny_run[0], "checkpoint"), data_flags(tmp_path)
+    code, cap = run_main(TINY + argv + ["--steps", "2", "--model", start, "--warmup-max-steps", "0",
+                                        "--out", str(tmp_path / "run")], capsys)
+    assert code == 0, cap.err
+    assert f"| {argv[1]} |" in cap.out.splitlines()[0]
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["rl_steps"] == 2
+    assert (summary["config"]["data"], summary["config"]["reward"]) == (argv[1], "exact")
+    # the accuracy before RL, on the file's test rows, is the checkpoint's on the same sums as add2 asks them
+    test = g.make_splits(g.read_data(argv[1], "exact"), 40, 40)["test"]
+    model, tok = AutoModelForCausalLM.from_pretrained(start), AutoTokenizer.from_pretrained(start)
+    tok.padding_side = "left"
+    sums = [tuple(int(x) for x in prompt[:-1].split("+")) for prompt, _ in test]
+    assert summary["accuracy_before_rl"] == g.accuracy(model, tok, "add2", sums, 6, "cpu")
+
+
+def test_a_checkpoint_whose_tokenizer_cannot_write_the_file_gets_one_line(tiny_run, tmp_path, capsys):
+    rows = [{"prompt": f"What is {a} plus {b}?", "answer": str(a + b)} for a in range(10) for b in range(10)]
+    argv = data_flags(tmp_path, rows)
+    code, cap = run_main(TINY + argv + ["--model", os.path.join(tiny_run[0], "checkpoint"),
+                                        "--out", str(tmp_path / "never")], capsys)
+    assert code == 2 and len(cap.err.strip().splitlines()) == 1 and cap.out == "", cap.err
+    assert f"cannot write '?Wahilpstu', which --data {argv[1]} needs" in cap.err, cap.err
+
+
+def test_the_built_in_models_warm_up_trains_on_the_answer_field(tmp_path, capsys, monkeypatch):
+    argv, seen = data_flags(tmp_path), []
+    supervised_loss = g.supervised_loss
+
+    def recorded(model, tokenizer, task, problems, device):
+        loss = supervised_loss(model, tokenizer, task, problems, device)
+        seen.append((problems, [g.solution_text(task, *p) for p in problems], loss.item()))
+        return loss
+    monkeypatch.setattr(g, "supervised_loss", recorded)
+    code, cap = run_main(TINY + argv + ["--warmup-max-steps", "4", "--warmup-batch", "16", "--steps", "1",
+                                        "--out", str(tmp_path / "run")], capsys)
+    assert code == 0, cap.err
+    held_out = g.make_splits(g.read_data(argv[1], "exact"), 40, 40)["held_out"]
+    assert len(seen) == 4
+    for problems, targets, _ in seen:        # training rows only, each taught its answer field
+        assert set(problems) <= PAIRS - held_out and targets == [answer for _, answer in problems]
+    assert seen[-1][2] < seen[0][2]
+
+
+def test_the_example_file_is_written_by_a_command_the_same_every_time(tmp_path, capsys):
+    import re
+    from studies import data_example
+    out = tmp_path / "subtract.jsonl"
+    assert data_example.main([str(out)]) == 0
+    written = out.read_bytes()
+    assert data_example.main([str(out)]) == 0 and out.read_bytes() == written    # the same rows: kept
+    capsys.readouterr()
+    task = g.read_data(str(out), "last-number")
+    assert len(task.rows) == 500
+    for prompt, answer in task.rows:                          # a - b in words, a >= b
+        a, b = sorted(map(int, re.findall(r"\d+", prompt)), reverse=True)
+        assert int(answer) == a - b
+    # the tutorial's held-out sets fit it; the built-in model has no letters: one line names them
+    code, cap = run_main(["--data", str(out), "--reward", "last-number", "--test-size", "100",
+                          "--val-size", "50", "--out", str(tmp_path / "never")], capsys)
+    assert code == 2 and len(cap.err.strip().splitlines()) == 1 and "no token for, ' .?" in cap.err, cap.err
+
+
+def test_make_trl_refuses_a_data_file_in_one_line(tmp_path, capsys):
+    from studies import trl_compare
+    assert trl_compare.trl_main(TINY + data_flags(tmp_path) + ["--out", str(tmp_path / "never")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--data is gspo_minimal.py's" in err, err

@@ -98,6 +98,8 @@ def check_trl_can_run(cfg: g.Config) -> None:
                          "against TRL's losses")
     if cfg.prompts_per_step * cfg.group_size % cfg.minibatches:
         raise g.BadInput("prompts-per-step x group-size must divide into --minibatches equal parts")
+    if cfg.data:
+        raise g.BadInput("make trl compares the two on the built-in tasks; --data is gspo_minimal.py's")
 
 
 # ---------------------------------------------------------------------------------------------
