@@ -14,7 +14,7 @@ STAMP     := .venv/.installed
 STAMP_TRL := .venv-trl/.installed
 STAMP_PRE := .venv-pretrained/.installed
 
-.PHONY: train test check test-thorough verify figures trl test-trl bench test-pretrained pretrained figures-family figures-long figures-map gpu-check clean
+.PHONY: train test check test-thorough verify figures trl test-trl bench test-pretrained pretrained pretrained-seeds figures-family figures-long figures-map gpu-check clean
 
 $(STAMP): requirements.txt
 	rm -rf .venv
@@ -61,6 +61,9 @@ test-pretrained: $(STAMP_PRE)  ## builds .venv-pretrained (gguf, accelerate, Smo
 
 pretrained: $(STAMP_PRE)  ## SmolLM2-135M-Instruct, no warm-up: the papers' predictions on real text, figures/pretrained.json (about 31 min)
 	$(PY_PRE) studies/pretrained.py
+
+pretrained-seeds: $(STAMP_PRE) $(STAMP_TRL)  ## SmolLM2-135M-Instruct: GSPO and GRPO x 3 seeds and the control, ours against TRL on it (its side in .venv-trl), the --data example: figures/pretrained_seeds.json (at most 60 min)
+	$(PY_PRE) studies/pretrained_seeds.py --trl-python $(PY_TRL)
 
 verify: $(STAMP)  ## the papers' predictions measured on runs/train (trains first if missing)
 	$(PY) studies/verify.py

@@ -544,6 +544,7 @@ def test_help_text_is_the_dataclass_field_docstrings(capsys):
 
 
 # --- Ctrl-C: a final checkpoint, summary.json with interrupted: true, exit 130 ------------------
+@pytest.mark.thorough          # 6 s, a real SIGINT to a child process; the in-process Ctrl-C tests stay in make test
 def test_ctrl_c_leaves_a_loadable_checkpoint_and_exits_130(tmp_path):
     out = tmp_path / "int"
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}

@@ -17,7 +17,8 @@ import torch
 
 import gspo_minimal as g
 from conftest import pre_split, tiny_llama_for
-from studies import common, family, figures, gpu_check, lens, long, map as regimes, metrics, pretrained, speed, trl_compare, verify
+from studies import (common, family, figures, gpu_check, lens, long, map as regimes, metrics, pretrained,
+                     pretrained_seeds, speed, trl_compare, verify)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 EXTRAS = ("requirements-trl.txt", "requirements-pretrained.txt")
@@ -295,7 +296,7 @@ def test_an_interrupted_run_is_not_a_finished_one(tmp_path):
 
 # --- the studies as scripts: one file per study, each run as `python studies/NAME.py` ----------------
 STUDIES = ("common", "verify", "metrics", "figures", "family", "long", "pretrained", "gpu_check", "speed",
-           "trl_compare", "lens", "map", "two_process")
+           "trl_compare", "lens", "map", "two_process", "pretrained_seeds", "data_example")
 ROOT_ON_PATH = "sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))"
 
 
@@ -336,9 +337,13 @@ def test_each_subcommand_and_child_process_reaches_its_function(monkeypatch, cap
     assert gpu_check.main([]) == 0 and calls.pop() == ("gpu_check", "cuda")
     for module, fn, argv in ((speed, "measure_logprobs", ["logprobs"]), (speed, "bench_sampler", ["sampler"]),
                              (verify, "verify", []), (figures, "figures", []), (family, "figures_family", []),
-                             (long, "figures_long", []), (pretrained, "pretrained", [])):
-        monkeypatch.setattr(module, fn, lambda fn=fn: calls.append(fn))
+                             (long, "figures_long", []), (pretrained, "pretrained", []),
+                             (pretrained_seeds, "pretrained_seeds", [])):
+        monkeypatch.setattr(module, fn, lambda *args, fn=fn: calls.append(fn))
         assert module.main(argv) == 0 and calls.pop() == fn
+    monkeypatch.setattr(pretrained_seeds, "trl_side", lambda *args: calls.append(("trl_side", *args)))
+    assert pretrained_seeds.main(["_trl_side", "ours", "m", "o.json"]) == 0        # pretrained-seeds' child
+    assert calls.pop() == ("trl_side", "ours", "m", "o.json")
     monkeypatch.setattr(regimes, "warm_start", lambda *args: calls.append(("warm_start", *args)))
     assert regimes.main(["_warmup", "moe", "1", "runs/map/w"]) == 0                 # figures-map's child
     assert calls.pop() == ("warm_start", ["--moe"], 1, "runs/map/w", "python studies/map.py _warmup moe 1 runs/map/w")
@@ -475,6 +480,7 @@ def test_a_checkpoint_that_cannot_be_loaded_is_one_line(tmp_path):
         assert err.value.code == 2 and "\n" not in str(err.value)
 
 
+@pytest.mark.thorough          # 2 s; with test_every_study_runs_as_a_script_from_another_folder
 def test_a_study_started_elsewhere_runs_from_the_repository_root(tmp_path, tiny_run, monkeypatch, capsys):
     shutil.copytree(tiny_run[0], tmp_path / "run")
     monkeypatch.chdir(tmp_path)
@@ -639,11 +645,15 @@ def study_tree(tiny_run, tiny_addwork_run, tmp_path_factory):
 
 def test_golden_run_lists_settings_and_jobs():
     for name in ("FIG_STEPS", "SEEDS", "STYLE", "FAMILY", "GATES", "LONG_STEPS", "LONG_GROUPS",
-                 "LONG_VARIANCE", "LONG_STYLE", "PRE", "NAMES", "ITEMS", "CLIP_STATE_STEPS", "CLIP_STEPS",
+                 "LONG_VARIANCE", "LONG_STYLE", "NAMES", "ITEMS", "CLIP_STATE_STEPS", "CLIP_STEPS",
                  "CLIP_LR_SCALES", "LOGPROB_SHAPE", "LOGPROB_REPEATS", "TRAIN_DIR", "VERIFY_DIR", "FIG_DIR",
                  "FIG_RUNS", "FAMILY_RUNS", "LONG_RUNS", "PRE_DIR", "GPU_CHECK_DIR", "BENCH_DIR",
                  "WARM_CYCLES", "CHECKPOINTING_CYCLES", "DEFAULTS"):
         assert_same(old(name), now(name), name)
+    # make pretrained's memory goal changed three settings on purpose: the rest are the same
+    changed = {"logprob_chunk": 8, "micro_batch": None, "peak_rss_goal_mb": None}
+    assert {k: changed.get(k, v) for k, v in now("PRE").items() if k in old("PRE")} == old("PRE")
+    assert now("PRE")["logprob_chunk"] == 4 and now("PRE")["micro_batch"] == 4
     for name in ("figure_runs", "family_runs", "long_runs"):
         same_call(name)
     same_call("warm_dir", 2)
@@ -653,10 +663,11 @@ def test_golden_run_lists_settings_and_jobs():
     script = lambda jobs: [{**j, "cmd": [("STUDY" if str(c).endswith(".py") and "gspo_minimal" not in str(c)
                                           else c) for c in j["cmd"]]} for j in jobs]
     assert_same(script(old("long_jobs")()), script(now("long_jobs")()), "long_jobs")
-    assert_same(old("pre_cfg")("grpo"), now("pre_cfg")("grpo"), "pre_cfg")
+    assert_same(old("pre_cfg")("grpo"), dataclasses.replace(now("pre_cfg")("grpo"), micro_batch=None), "pre_cfg")
     assert_same(old("splits")("addwork"), now("splits")("addwork"), "splits")
 
 
+@pytest.mark.thorough          # a golden test of the split studies, seconds long
 def test_golden_summaries_of_figures_family_and_long(study_tree, monkeypatch):
     root, by_length = study_tree
     monkeypatch.chdir(root)                               # the targets read runs/ from where they run
@@ -737,6 +748,7 @@ def test_golden_measurement_helpers_on_fixed_inputs(tiny_run, tmp_path, capsys):
     assert_same(files[0], files[1], "write_json")
 
 
+@pytest.mark.thorough          # a golden test of the split studies, seconds long
 def test_golden_length_split_accuracy_by_length_and_long_variance(study_tree, tiny_addwork_run, monkeypatch):
     root, _ = study_tree
     monkeypatch.chdir(root)
@@ -752,15 +764,23 @@ def test_golden_length_split_accuracy_by_length_and_long_variance(study_tree, ti
     same_call("long_variance")
 
 
+@pytest.mark.thorough          # a golden test of the split studies, seconds long
 def test_golden_pretrained_measurement_and_answers_on_a_tiny_bpe_model(bpe_tokenizer, monkeypatch):
     import functools
+    # the old code's passes: 8 rows a no-grad pass, the whole minibatch a gradient pass (the branch
+    # state now goes through a file, which must change nothing)
     patch_items(monkeypatch, "PRE", word_prompts=8, clip_prompts=4, group_size=2, max_new_tokens=80,
-                float64_sequences=4, bootstrap_resamples=50, lr=1e-3, clip_lrs=[1e-3])
+                float64_sequences=4, bootstrap_resamples=50, lr=1e-3, clip_lrs=[1e-3], logprob_chunk=8,
+                micro_batch=0)
     monkeypatch.setattr(g, "sample_completions", functools.partial(g.sample_completions, suppress_eos=True))
     monkeypatch.setattr(g, "reward", lambda row, answer, tok, task: float(sum(row) % 2))
     tok = bpe_tokenizer
     before = old("measure_pretrained_update")(tiny_llama_for(tok), tok)
     after = now("measure_pretrained_update")(tiny_llama_for(tok), tok)
+    # the old code's second clipping branch (GRPO) started from AdamW moments the first had updated
+    # in place (test_branches_from_one_state_do_not_see_each_other): only the first is comparable
+    for r in (before, after):
+        del r["clip_branches"][1:], r["clip_tokens_grpo"], r["clip_seqs_grpo"]
     assert_same(before, after, "measure_pretrained_update",
                 clock=("sampling_seconds", "update_seconds", "update_tokens_per_second"))
     monkeypatch.undo()
@@ -768,6 +788,22 @@ def test_golden_pretrained_measurement_and_answers_on_a_tiny_bpe_model(bpe_token
     model = tiny_llama_for(tok).eval()
     same_call("answer_forms", model, tok, problems, 6)
     same_call("heldout_rewards", model, tok, problems, 6)
+
+
+def test_branches_from_one_state_do_not_see_each_other(tiny_run):
+    """A branch's AdamW moments and step counts are the state's, whatever branch ran before it:
+    an optimiser loads same-dtype state without copying, and AdamW updates it in place."""
+    cfg = g.Config(prompts_per_step=4, group_size=4, minibatches=2, steps=50)
+    torch.manual_seed(0)
+    model, tok = g.load_pretrained(os.path.join(tiny_run[0], "checkpoint"))
+    state = verify.run_state(model, tok, cfg, 1, random.Random(0))
+    saved = copy.deepcopy(state["opt"])
+    alone = verify.branch(state, model, tok, dataclasses.replace(cfg, loss="grpo"), 1)
+    verify.branch(state, model, tok, cfg, 2)                       # GSPO first, then GRPO again
+    again = verify.branch(state, model, tok, dataclasses.replace(cfg, loss="grpo"), 1)
+    assert_same(saved, state["opt"], "the state's AdamW moments after three branches")
+    assert_same(alone, again, "GRPO's branch alone and after GSPO's", clock=("step_seconds", "elapsed",
+                                                                          "cpu_seconds", "tokens_per_second"))
 
 
 def test_golden_branches_from_one_run_state(tiny_run):
@@ -1084,7 +1120,11 @@ def test_pretrained_json_copies_and_slopes_agree_with_its_measurement():
     r = committed("pretrained.json")
     m = r["measurement"]
     assert r["seconds"] == r["pretrained_seconds"]
-    assert r["settings"] == pretrained.PRE         # the code still holds the settings the run was made with
+    # the code still holds the settings the run was made with, but for the three the memory goal
+    # changed (logprob_chunk, micro_batch, peak_rss_goal_mb) while the JSON predates them
+    pending = {} if "micro_batch" in r["settings"] else {"logprob_chunk": 8}
+    assert r["settings"] == {k: pending.get(k, v) for k, v in pretrained.PRE.items()
+                             if "micro_batch" in r["settings"] or k not in ("micro_batch", "peak_rss_goal_mb")}
     for key in ("response_tokens_median", "response_tokens_p10", "response_tokens_p90",
                 "equivalence_max_rel_err_float32", "equivalence_max_rel_err_float64", "variance_slope_log_s",
                 "variance_slope_log_s_ci95", "clip_lr", "update_tokens_per_second"):
@@ -1437,3 +1477,120 @@ def test_map_summary_and_plot_on_fake_runs(tiny_run, tmp_path, monkeypatch):
     regimes.plot_map(plt, record)
     plt.close("all")
     assert os.path.getsize(os.path.join("figures", "map.png")) > 10_000
+
+
+# --- make pretrained-seeds: its settings, its arithmetic, its processes ------------------------
+def test_pretrained_seeds_settings_are_make_pretrained_s_run_on_256_problems():
+    S = pretrained_seeds.SETTINGS
+    train = S["train"]
+    assert pretrained_seeds.option(train, "--test-size") == "256" and "--seed" not in train
+    assert pretrained_seeds.option(train, "--steps") == "12" and pretrained_seeds.option(train, "--task") == "add2-chat"
+    pre = pretrained.PRE["train"]
+    expected = pre[:pre.index("--test-size") + 1] + ["256"] + pre[pre.index("--test-size") + 2:pre.index("--seed")]
+    assert train == expected and pre[pre.index("--seed"):] == ["--seed", "0"]    # the seed is each run's own
+    assert S["seeds"] == [0, 1, 2] and S["losses"] == ["gspo", "grpo"]
+
+
+def test_pretrained_seeds_trl_sides_keep_the_batch_and_one_step_per_minibatch():
+    cfg = g.Config(prompts_per_step=4, group_size=16, minibatches=4)        # make pretrained's batch
+    for side, rows in (("trl_matched", 16), ("trl_defaults", 8)):
+        o = pretrained_seeds.trl_overrides(cfg, side)
+        assert o["per_device_train_batch_size"] == rows
+        # TRL: generation batch = rows x processes x steps_per_generation, one optimiser step per
+        # gradient_accumulation_steps of them: 64 completions, 4 optimiser steps
+        assert rows * o["steps_per_generation"] == 64 and o["steps_per_generation"] // o["gradient_accumulation_steps"] == 4
+        assert o.get("bf16", False) == o.get("gradient_checkpointing", False) == (side == "trl_defaults")
+
+
+def test_pretrained_seeds_pairs_gspo_and_grpo_by_seed_and_problem():
+    runs = {f"{loss}_s{s}": {"rewards": [1.0, 0.0, 1.0, 1.0] if loss == "gspo" else [1.0, 0.0, 0.0, 1.0],
+                             "summary": {"loss": loss, "seed": s, "accuracy_before_rl": 0.25,
+                                         "accuracy_after_rl": 0.5, "wall_seconds": 1.0, "rl_tokens_per_second": 9.0},
+                             "settings": [], "peak_rss_mb": 100.0} for loss in ("gspo", "grpo") for s in (0, 1, 2)}
+    rows = pretrained_seeds.run_rows([0.0, 0.0, 1.0, 0.0], runs)
+    assert rows[0]["reward_before_rl"] == 0.25 and rows[0]["reward_after_rl"] == 0.75
+    lo, hi = rows[0]["reward_gain_ci95"]
+    assert lo <= 0.5 <= hi
+    d = pretrained_seeds.gspo_minus_grpo(rows, runs)
+    assert [x["difference"] for x in d] == [0.25] * 3 and d[0]["difference_ci95"][0] <= 0.25 <= d[0]["difference_ci95"][1]
+
+
+def test_a_process_of_its_own_reports_its_own_peak_memory_not_its_parents(tmp_path):
+    script = tmp_path / "grow.py"
+    script.write_text("import sys\nx = bytearray(300 * 2 ** 20)\nx[::4096] = b'1' * len(x[::4096])\n"
+                      "sys.exit(int(sys.argv[1]))\n")
+    held = bytearray(600 * 2 ** 20)                 # the parent holds more than the child will
+    held[::4096] = b"1" * len(held[::4096])
+    assert common.peak_rss_mb() > 600
+    code, peak = common.in_own_process(str(script), ["0"])
+    assert code == 0 and 300 < peak < 600           # getrusage's ru_maxrss would report the parent's
+    assert common.in_own_process(str(script), ["3"])[0] == 3
+    del held
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="needs Linux's /proc")
+def test_each_part_of_make_pretrained_records_its_own_peak_not_an_earlier_parts(tmp_path, monkeypatch):
+    monkeypatch.setattr(pretrained, "PRE_DIR", str(tmp_path))
+
+    def big():
+        x = bytearray(400 * 2 ** 20)
+        x[::4096] = b"1" * len(x[::4096])
+        return {}
+    first = pretrained.pre_part("big", big)
+    second = pretrained.pre_part("small", dict)
+    assert first["peak_rss_mb"] > second["peak_rss_mb"] + 300
+    assert pretrained.pre_part("big", dict)["peak_rss_mb"] == first["peak_rss_mb"]     # reused from disk
+
+
+@pytest.mark.thorough          # about 30 s: four runs of the script, each in a process of its own
+def test_make_pretrained_seeds_runs_end_to_end_on_a_tiny_chat_model(bpe_tokenizer, tmp_path, monkeypatch, capsys):
+    """The real model's runs and the --data example, as make pretrained-seeds takes them, on a
+    2-layer model with a chat template: each run in its own process with its own peak, scored on
+    the held-out problems in the parent, and resumed from its part on a second invocation."""
+    ps = pretrained_seeds
+    folder = str(tmp_path / "chat_model")
+    tiny_llama_for(bpe_tokenizer).save_pretrained(folder)
+    bpe_tokenizer.save_pretrained(folder)
+    monkeypatch.setattr(ps, "SEEDS_DIR", str(tmp_path / "parts"))
+    monkeypatch.setattr(ps, "TRAIN", ["--task", "add2-chat", "--warmup-max-steps", "0", "--steps", "1",
+                                      "--prompts-per-step", "2", "--group-size", "4", "--minibatches", "2",
+                                      "--max-new-tokens", "6", "--test-size", "8", "--val-size", "4",
+                                      "--eval-every", "1"])
+    monkeypatch.setitem(ps.SETTINGS, "seeds", [0])
+    monkeypatch.setitem(ps.SETTINGS, "bootstrap_resamples", 50)
+    monkeypatch.setitem(ps.SETTINGS, "data_example", {"rows": 40, "train": [
+        "--reward", "last-number", "--test-size", "8", "--val-size", "4", "--warmup-max-steps", "0", "--steps", "1",
+        "--prompts-per-step", "2", "--group-size", "4", "--minibatches", "2", "--max-new-tokens", "6",
+        "--eval-every", "1"]})
+    seeds = ps.seed_runs(folder)
+    assert sorted(seeds["runs"]) == ["control_s0", "grpo_s0", "gspo_s0"] and len(seeds["before"]["rewards"]) == 8
+    rows = ps.run_rows(seeds["before"]["rewards"], seeds["runs"])
+    for r in rows:
+        run = seeds["runs"][r["name"]]
+        assert r["reward_after_rl"] == r["accuracy_after_rl"]            # the parent scores as the run did
+        assert 100 < r["peak_rss_mb"] < 4096 and run["summary"]["rl_steps"] == 1
+        assert ("--shuffle-rewards" in r["settings"]) == (r["name"] == "control_s0") == r["shuffle_rewards"]
+        assert ps.option(r["settings"], "--micro-batch") == str(ps.ROWS_PER_PASS)
+    assert [d["seed"] for d in ps.gspo_minus_grpo(rows, seeds["runs"])] == [0]
+    example = ps.data_example(folder)
+    assert example["written_by"].startswith("python studies/data_example.py ")
+    assert "--data " in example["command"] and folder not in example["command"]
+    assert example["reward_before_rl"] is not None and example["peak_rss_mb"] > 100
+    capsys.readouterr()
+    assert ps.seed_runs(folder) == seeds                                # every part reused
+    assert capsys.readouterr().out.count("reusing") == 4
+
+
+def test_the_data_example_runs_the_tutorials_command():
+    """tutorial.md section 13's command, the one studies/data_example.py prints, and the one
+    make pretrained-seeds runs and records are the same flags."""
+    from studies import data_example
+    with open(os.path.join(HERE, "tutorial.md")) as f:
+        text = f.read()
+    block = text[text.index(".venv-pretrained/bin/python gspo_minimal.py --model \"$GGUF\" --data"):]
+    tutorial = block[:block.index("```")].replace("\\\n", " ").split()
+    printed = data_example.COMMAND.format(out="runs/data/subtract.jsonl").split()
+    assert tutorial[1:] == printed + ["--out", "runs/subtract"]
+    flags = printed[printed.index("--reward"):]
+    assert flags == pretrained_seeds.SETTINGS["data_example"]["train"]
+    assert pretrained_seeds.SETTINGS["data_example"]["rows"] == 500     # the example's default

@@ -562,3 +562,29 @@ def test_rl_update_first_minibatch_equals_trls_first_step_but_for_the_advantage_
     gap = relative_gap(ours, trl_grad)
     assert gap > 10 * tolerance                        # a departure, far above the arithmetic
     assert growth.min().item() - tolerance <= gap <= growth.max().item() + tolerance
+
+
+def test_the_real_model_sides_of_make_pretrained_seeds_run_on_a_tiny_chat_model(bpe_tokenizer, tmp_path,
+                                                                                  monkeypatch):
+    """studies/pretrained_seeds.py's TRL part, each side as it runs in its child process, on a
+    2-layer model with a chat template (TRL must then apply it, as encode_prompts does): the cycles
+    are timed, and the two TRL sides keep the rollout of prompts x G completions."""
+    pytest.importorskip("trl")
+    from conftest import tiny_llama_for
+    from studies import pretrained_seeds as ps
+    folder = str(tmp_path / "chat_model")
+    tiny_llama_for(bpe_tokenizer).save_pretrained(folder)
+    bpe_tokenizer.save_pretrained(folder)
+    monkeypatch.setattr(ps, "SEEDS_DIR", str(tmp_path))
+    monkeypatch.setattr(ps, "ROWS_PER_PASS", 4)
+    monkeypatch.setattr(ps, "TRAIN", ["--task", "add2-chat", "--warmup-max-steps", "0", "--prompts-per-step", "2",
+                                      "--group-size", "4", "--minibatches", "2", "--max-new-tokens", "6",
+                                      "--test-size", "4", "--val-size", "4"])
+    monkeypatch.setitem(ps.SETTINGS, "trl", {**ps.SETTINGS["trl"], "cycles": 2, "rows_per_pass": 4,
+                                             "defaults_rows_per_pass": 2})
+    monkeypatch.chdir(os.path.dirname(os.path.abspath(__file__)))
+    for side in ps.SETTINGS["trl"]["sides"]:
+        res = ps.trl_side(side, folder, str(tmp_path / f"{side}.json"))
+        assert len(res["cycle_seconds_all"]) == 2 and res["cycle_seconds"] > 0 and res["peak_rss_mb"] > 0
+        assert all(0 < t <= 8 * 6 for t in res["completion_tokens_all"])    # 8 completions of at most 6 tokens
+        assert json.loads((tmp_path / f"{side}.json").read_text())["side"] == side

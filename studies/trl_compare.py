@@ -52,7 +52,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import torch  # noqa: E402
 
 import gspo_minimal as g  # noqa: E402
-from studies.common import cli, fail, given_path, need  # noqa: E402
+from studies.common import cli, fail, given_path, need, peak_rss_mb  # noqa: E402
 
 
 # ---------------------------------------------------------------------------------------------
@@ -121,9 +121,12 @@ class EosExactMatch:
         return self.rewards
 
 
-def problems_dataset(task: str, problems):
+def problems_dataset(task: str, problems, chat: bool = False):
+    """The prompts and answers as TRL reads them; `chat`: each prompt one user message, so that TRL
+    applies the tokenizer's chat template as gspo_minimal.encode_prompts does."""
     from datasets import Dataset
-    return Dataset.from_dict({"prompt": [g.prompt_text(task, a, b) for a, b in problems],
+    texts = [g.prompt_text(task, a, b) for a, b in problems]
+    return Dataset.from_dict({"prompt": [[{"role": "user", "content": t}] for t in texts] if chat else texts,
                               "answer": [g.answer_text(task, a, b) for a, b in problems]})
 
 
@@ -159,7 +162,8 @@ def build_trainer(cfg: g.Config, model, tokenizer, problems, rollouts: int, out:
     reward = EosExactMatch(tokenizer, cfg.task)
     trainer = GSPOTrainer(model=model, reward_funcs=reward, processing_class=tokenizer,
                           args=grpo_config(cfg, rollouts, out, device, **overrides),
-                          train_dataset=problems_dataset(cfg.task, problems))
+                          train_dataset=problems_dataset(cfg.task, problems,
+                                                         chat=bool(getattr(tokenizer, "chat_template", None))))
     trainer.reward, trainer.minibatch_log, trainer.sampling_seconds = reward, [], 0.0
     trainer.remove_callback(PrinterCallback)     # its end-of-training dict; our own log says it all
     return trainer
@@ -294,21 +298,16 @@ WARM_CYCLES = 5           # discarded: allocator, thread pool and (TRL) trainer 
 CHECKPOINTING_CYCLES = 25
 
 
-def peak_rss_mb() -> float:
-    """This process's peak resident memory. Not getrusage's ru_maxrss: Linux carries that over
-    exec from the parent, so a child would report the parent's peak when its own is lower."""
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 1024  # KiB
-
-
 def load_start(path: str, device):
     model, tokenizer = g.load_pretrained(path)
     return model.to(device), tokenizer
 
 
-def timed_run_ours(cfg: g.Config, start: str, device, n: int, stop_after: float | None = None):
+def timed_run_ours(cfg: g.Config, start: str, device, n: int, stop_after: float | None = None,
+                   score: bool = True):
     """n rollouts of gspo_minimal's RL step from `start` (train()'s step without the evaluations).
-    Returns per-cycle seconds, completion tokens and sampling seconds, and the test accuracy."""
+    Returns per-cycle seconds, completion tokens and sampling seconds, and the test accuracy
+    (None without `score`)."""
     splits = g.make_splits(cfg.task, cfg.test_size, cfg.val_size)
     eps_low, eps_high = g.resolved_eps(cfg)
     model, tokenizer = load_start(start, device)
@@ -328,12 +327,12 @@ def timed_run_ours(cfg: g.Config, start: str, device, n: int, stop_after: float 
         tokens.append(int(batch["mask"].sum()))
         if stop_after is not None and ends[-1] - ends[0] >= stop_after:
             break
-    acc = g.accuracy(model, tokenizer, cfg.task, splits["test"], cfg.max_new_tokens, device)
+    acc = g.accuracy(model, tokenizer, cfg.task, splits["test"], cfg.max_new_tokens, device) if score else None
     return [b - a for a, b in zip(ends, ends[1:])], tokens, sampling, acc
 
 
 def timed_run_trl(cfg: g.Config, start: str, device, n: int, stop_after: float | None = None,
-              **overrides):
+                  score: bool = True, **overrides):
     """The same as timed_run_ours with TRL's GRPOTrainer (its LR schedule sized to n rollouts)."""
     splits = g.make_splits(cfg.task, cfg.test_size, cfg.val_size)
     model, tokenizer = load_start(start, device)
@@ -353,7 +352,7 @@ def timed_run_trl(cfg: g.Config, start: str, device, n: int, stop_after: float |
     trainer.add_callback(cycle_callback(cfg, on_cycle))
     ends.append(time.perf_counter())  # the first cycle also holds trainer start-up: discarded
     trainer.train()
-    acc = g.accuracy(model, tokenizer, cfg.task, splits["test"], cfg.max_new_tokens, device)
+    acc = g.accuracy(model, tokenizer, cfg.task, splits["test"], cfg.max_new_tokens, device) if score else None
     return [b - a for a, b in zip(ends, ends[1:])], tokens, sampling, acc
 
 

@@ -56,8 +56,10 @@ def branch(state: dict, model, tok, cfg: g.Config, steps: int, lr_scale: float =
     included); returns every step's metrics. The same prompts and sampling seeds in every branch."""
     model.load_state_dict(state["model"])
     opt, sched = g.rl_optimizer(model, cfg)
-    opt.load_state_dict(state["opt"])
-    sched.load_state_dict(state["sched"])
+    # copies: an optimiser loads same-dtype state tensors without copying them, and AdamW then
+    # updates them in place, so the next branch would start from this branch's moments and steps
+    opt.load_state_dict(copy.deepcopy(state["opt"]))
+    sched.load_state_dict(copy.deepcopy(state["sched"]))
     sched.base_lrs = [lr * lr_scale for lr in sched.base_lrs]
     for group in opt.param_groups:
         group["lr"] *= lr_scale
