@@ -117,6 +117,7 @@ def test_variance_profile_separates_correlation_from_non_stationarity():
     assert corr["autocorrelation_centred"][0] == pytest.approx(0.2, abs=0.05)
 
 
+@pytest.mark.thorough          # 1 s; test_branches_from_one_state_do_not_see_each_other stays
 def test_branches_from_one_run_state_start_from_the_same_weights_optimiser_and_prompts():
     import random
     torch.manual_seed(0)
@@ -1429,6 +1430,7 @@ def test_map_pilot_reads_figures_json():
     assert p["noise"] is None and not p["separates"]
 
 
+@pytest.mark.thorough          # 2 s, a plot
 def test_map_summary_and_plot_on_fake_runs(tiny_run, tmp_path, monkeypatch):
     """Every run folder the first phase leaves, copied from the tiny run with chosen accuracies and
     validation curves: the records, the verdicts, the collapses and the plot."""
@@ -1515,6 +1517,7 @@ def test_pretrained_seeds_pairs_gspo_and_grpo_by_seed_and_problem():
     assert [x["difference"] for x in d] == [0.25] * 3 and d[0]["difference_ci95"][0] <= 0.25 <= d[0]["difference_ci95"][1]
 
 
+@pytest.mark.thorough          # 2 s, two child processes
 def test_a_process_of_its_own_reports_its_own_peak_memory_not_its_parents(tmp_path):
     script = tmp_path / "grow.py"
     script.write_text("import sys\nx = bytearray(300 * 2 ** 20)\nx[::4096] = b'1' * len(x[::4096])\n"
