@@ -1122,10 +1122,12 @@ def test_pretrained_json_copies_and_slopes_agree_with_its_measurement():
     m = r["measurement"]
     assert r["seconds"] == r["pretrained_seconds"]
     # the code still holds the settings the run was made with, but for the three the memory goal
-    # changed (logprob_chunk, micro_batch, peak_rss_goal_mb) while the JSON predates them
-    pending = {} if "micro_batch" in r["settings"] else {"logprob_chunk": 8}
-    assert r["settings"] == {k: pending.get(k, v) for k, v in pretrained.PRE.items()
-                             if "micro_batch" in r["settings"] or k not in ("micro_batch", "peak_rss_goal_mb")}
+    # changed while the JSON predates them: logprob_chunk was 8, micro_batch and peak_rss_goal_mb new
+    expected = dict(pretrained.PRE)
+    if "micro_batch" not in r["settings"]:
+        del expected["micro_batch"], expected["peak_rss_goal_mb"]
+        expected["logprob_chunk"] = 8
+    assert r["settings"] == expected
     for key in ("response_tokens_median", "response_tokens_p10", "response_tokens_p90",
                 "equivalence_max_rel_err_float32", "equivalence_max_rel_err_float64", "variance_slope_log_s",
                 "variance_slope_log_s_ci95", "clip_lr", "update_tokens_per_second"):

@@ -144,6 +144,27 @@ def write_json(path: str, data: dict, command: str, seconds: float) -> None:
         json.dump(g.finite_or_null(record), f, indent=2, allow_nan=False)
 
 
+def kept_part(folder: str, study: str, name: str, fn, own_peak: bool = False) -> dict:
+    """One part of a resumable target: fn()'s result with its seconds (with `own_peak`, also this
+    process's peak resident memory while fn ran, `peak_rss_mb`, VmHWM reset as it starts), kept in
+    <folder>/<name>.json; a later invocation reuses the file instead of running fn again. Returns
+    the file as read back, so a first run and a resumed one see the same thing."""
+    path = os.path.join(folder, f"{name}.json")
+    if os.path.exists(path):
+        print(f"{name}: reusing {path}", flush=True)
+        return read_json(path)
+    if own_peak:
+        reset_peak_rss()
+    t0 = time.perf_counter()
+    res = fn()
+    res["seconds"] = time.perf_counter() - t0
+    if own_peak:
+        res["peak_rss_mb"] = peak_rss_mb()
+    write_json(path, res, f"python studies/{study}.py ({name})", res["seconds"])
+    print(f"{name}: {res['seconds']:.0f} s", flush=True)
+    return read_json(path)
+
+
 @functools.cache
 def splits(task: str = "add2") -> dict:
     """The script's fixed test / validation split, drawn once: training problems avoid both."""
@@ -343,12 +364,17 @@ def smollm_gguf() -> str | None:
 
 
 # --- Peak memory, a process's own (Linux /proc) -----------------------------------------------
+def status_kib(field: str) -> int:
+    """A memory field of /proc/self/status (VmRSS, VmHWM), in KiB."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
+
+
 def peak_rss_mb() -> float:
     """This process's peak resident memory (VmHWM) since it started or since `reset_peak_rss`. Not
     getrusage's ru_maxrss: Linux carries that over exec from the parent, so a child would report
     the parent's peak when its own is lower."""
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 1024  # KiB
+    return status_kib("VmHWM") / 1024
 
 
 def reset_peak_rss() -> None:

@@ -36,9 +36,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import torch  # noqa: E402
 
 import gspo_minimal as g  # noqa: E402
-from studies.common import (FIG_DIR, Parser, binned_variance, cli, fail, loglog_slope,  # noqa: E402
-                            logprobs_in_chunks, minibatch_ratios, peak_rss_mb, read_json, reset_peak_rss,
-                            smollm_gguf, variance_panels, variance_profile, write_json)
+from studies.common import (FIG_DIR, Parser, binned_variance, cli, fail, kept_part, loglog_slope,  # noqa: E402
+                            logprobs_in_chunks, minibatch_ratios, smollm_gguf, variance_panels,
+                            variance_profile, write_json)
 from studies.speed import measure_logprobs  # noqa: E402
 
 
@@ -302,22 +302,9 @@ def paired_bootstrap(before: list[float], after: list[float], n_boot: int) -> li
 
 
 def pre_part(name: str, fn) -> dict:
-    """Run one part of make pretrained once: its result is kept in runs/pretrained/<name>.json with
-    its own seconds and its own peak resident memory (VmHWM reset as it starts, so the peak is the
-    part's, with what earlier parts left resident), and a later invocation reuses it (the target is
-    resumable)."""
-    path = os.path.join(PRE_DIR, f"{name}.json")
-    if os.path.exists(path):
-        print(f"{name}: reusing {path}", flush=True)
-        return read_json(path)
-    reset_peak_rss()
-    t0 = time.perf_counter()
-    res = fn()
-    res["seconds"] = time.perf_counter() - t0
-    res["peak_rss_mb"] = peak_rss_mb()
-    write_json(path, res, f"python studies/pretrained.py ({name})", res["seconds"])
-    print(f"{name}: {res['seconds']:.0f} s", flush=True)
-    return res
+    """One part of make pretrained, kept in runs/pretrained/<name>.json with its seconds and its own
+    peak resident memory (with what earlier parts left resident); reused by a later invocation."""
+    return kept_part(PRE_DIR, "pretrained", name, fn, own_peak=True)
 
 
 def pretrained() -> dict:

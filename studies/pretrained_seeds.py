@@ -33,8 +33,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import torch  # noqa: E402
 
 import gspo_minimal as g  # noqa: E402
-from studies.common import (FIG_DIR, Parser, cli, fail, in_own_process, peak_rss_mb, read_json,  # noqa: E402
-                            smollm_gguf, write_json)
+from studies.common import (FIG_DIR, Parser, cli, fail, in_own_process, kept_part, peak_rss_mb,  # noqa: E402
+                            read_json, smollm_gguf, write_json)
 from studies.pretrained import PRE, heldout_rewards, paired_bootstrap  # noqa: E402
 
 SEEDS_DIR = "runs/pretrained_seeds"
@@ -62,18 +62,9 @@ def option(argv: list[str], flag: str) -> str:
 
 
 def part(name: str, fn) -> dict:
-    """fn()'s result, kept in runs/pretrained_seeds/<name>.json with its seconds; reused by a later
-    invocation (the target resumes where it stopped)."""
-    path = os.path.join(SEEDS_DIR, f"{name}.json")
-    if os.path.exists(path):
-        print(f"{name}: reusing {path}", flush=True)
-        return read_json(path)
-    t0 = time.perf_counter()
-    res = fn()
-    res["seconds"] = time.perf_counter() - t0
-    write_json(path, res, f"python studies/pretrained_seeds.py ({name})", res["seconds"])
-    print(f"{name}: {res['seconds']:.0f} s", flush=True)
-    return read_json(path)                 # as a later invocation will see it, provenance included
+    """One part, kept in runs/pretrained_seeds/<name>.json with its seconds; reused by a later
+    invocation (the target resumes where it stopped). A run's peak is its own process's."""
+    return kept_part(SEEDS_DIR, "pretrained_seeds", name, fn)
 
 
 def scored_run(name: str, model: str, args: list[str], test) -> dict:

@@ -27,7 +27,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import torch  # noqa: E402
 
 import gspo_minimal as g  # noqa: E402
-from studies.common import Parser, cli, fail, load_checkpoint, need, problems, write_json  # noqa: E402
+from studies.common import (Parser, cli, fail, load_checkpoint, need, problems, reset_peak_rss,  # noqa: E402
+                            status_kib, write_json)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -105,11 +106,6 @@ LOGPROB_VARIANTS = ("ours", "one_shot", "trl")        # what `_logprobs VARIANT 
 LOGPROB_DTYPES = ("float32", "bfloat16")
 
 
-def _status_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
-
-
 def logprobs_variant(name: str, dtype_name: str) -> dict:
     """One variant on (8, 1024, 49152) random logits: peak resident memory above what the process
     held just before the call (logits included), median seconds of LOGPROB_REPEATS calls, and the
@@ -131,13 +127,12 @@ def logprobs_variant(name: str, dtype_name: str) -> dict:
         fn(logits[:1, :4], tokens[:1, :4])                        # warm-up: kernels, imports
         peaks, times = [], []
         for _ in range(LOGPROB_REPEATS):
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")                                      # reset the peak (VmHWM)
-            base = _status_kib("VmRSS")
+            reset_peak_rss()
+            base = status_kib("VmRSS")
             t0 = time.perf_counter()
             out = fn(logits, tokens)
             times.append(time.perf_counter() - t0)
-            peaks.append(_status_kib("VmHWM") - base)
+            peaks.append(status_kib("VmHWM") - base)
             del out
         out = fn(logits, tokens)
         ref = torch.cat([torch.log_softmax(row.double(), -1).gather(-1, t[:, None])[:, 0][None]
