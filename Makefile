@@ -77,8 +77,8 @@ figures-family: $(STAMP)  ## every relative of GSPO and GSPO and GRPO on add2, 3
 figures-long: $(STAMP)  ## long answers (--task addwork): GSPO, GSPO-token, GRPO, the aggregation trap, 8 minibatches, the control, 3 seeds; variance on natural answers: figures/long.json and PNGs
 	$(PY) studies/long.py
 
-figures-map: $(STAMP)  ## do GSPO and GRPO part ways? nine regimes under a rule fixed before the runs: figures/map.json and map.png (first phase at most 70 min, resumable; CONFIRM=1: the confirmation, at most 20 min)
-	$(PY) studies/map.py$(if $(CONFIRM), --confirm,)
+figures-map: $(STAMP)  ## do GSPO and GRPO part ways? nine regimes under a rule fixed before the runs: figures/map.json and map.png (first phase at most 70 min, resumable; CONFIRM=1: the confirmation, at most 20 min; CLIP=1: the bf16-sampler cells again with the clip share per minibatch, about 5 min)
+	$(PY) studies/map.py$(if $(CONFIRM), --confirm,)$(if $(CLIP), clip,)
 
 gpu-check: $(if $(NOVENV),,$(STAMP_PRE))  ## the CUDA path against the CPU, in minutes (in .venv-pretrained, for its GGUF steps); NOVENV=1 PYTHON=python3 uses the host's own packages
 	$(if $(NOVENV),$(PYTHON),$(PY_PRE)) studies/gpu_check.py

@@ -120,7 +120,8 @@ class Config:
     optimiser step: the same update at the memory of this many rows, a little slower. A multiple of
     --group-size keeps each prompt run once per group; 0: the whole minibatch in one pass. Default:
     0 for a model under 20M parameters (the built-in ones), else about 1024 completion tokens per
-    pass (1024 // --max-new-tokens rows, at least 1): a 135M model's update then stays near 3 GB"""
+    pass (1024 // --max-new-tokens rows, at least 1). With a micro-batch, rollouts are sampled whole
+    groups at a time, at most 4096 // --max-new-tokens rows, so the KV cache stays bounded too"""
     gradient_checkpointing: bool = False
     """recompute each layer's activations during the backward pass instead of keeping them (Hugging
     Face models): less memory for more time; the update then runs one full pass per row"""
@@ -453,7 +454,7 @@ def completion_mask(completions: torch.Tensor, eos_id: int) -> torch.Tensor:
 @torch.no_grad()
 def sample_completions(model, prompt_ids, prompt_mask, max_new_tokens: int, eos_id: int,
                        pad_id: int, *, temperature: float = 1.0, suppress_eos: bool = False,
-                       group_size: int = 1, with_logprobs: bool = False):
+                       group_size: int = 1, with_logprobs: bool = False, rows: int = 0):
     """Sample one completion per row; temperature 0 is greedy. Returns (B, T) token ids, T <= max_new;
     with `with_logprobs`, also the sampler's own record of their log-probs, (B, T) float32 (0 after a
     row's EOS): log_softmax(logits.float() / temperature), the formula `policy_logprobs` uses, so
@@ -462,7 +463,9 @@ def sample_completions(model, prompt_ids, prompt_mask, max_new_tokens: int, eos_
     `group_size` G: the rows come in groups of G identical prompts (a rollout's layout), so the
     prompt is run through the model once per group and its KV cache repeated G times.
     `suppress_eos` forbids EOS, so every row runs to max_new_tokens (studies/verify.py uses it to get
-    long responses from a model whose answers are short).
+    long responses from a model whose answers are short). `rows` > 0 samples whole groups of at most
+    that many rows at a time, one piece after another, padded to one length: the KV cache of a
+    piece, not of the batch, is what memory holds (a different random stream from one piece).
 
     A hand-written loop over a DynamicCache rather than `model.generate`, so that every step of
     sampling is in view and the temperature matches `policy_logprobs` by construction. Greedy
@@ -473,6 +476,15 @@ def sample_completions(model, prompt_ids, prompt_mask, max_new_tokens: int, eos_
     from transformers import DynamicCache
 
     G = group_size
+    step = max(G, rows // G * G) if rows else len(prompt_ids)
+    if step < len(prompt_ids):
+        kw = dict(temperature=temperature, suppress_eos=suppress_eos, group_size=G, with_logprobs=True)
+        pieces = [sample_completions(model, prompt_ids[i:i + step], prompt_mask[i:i + step], max_new_tokens,
+                                     eos_id, pad_id, **kw) for i in range(0, len(prompt_ids), step)]
+        T = max(c.shape[1] for c, _ in pieces)       # a piece whose rows all stopped early is shorter
+        comp = torch.cat([torch.nn.functional.pad(c, (0, T - c.shape[1]), value=pad_id) for c, _ in pieces])
+        logp = torch.cat([torch.nn.functional.pad(lp, (0, T - lp.shape[1])) for _, lp in pieces])
+        return (comp, logp) if with_logprobs else comp
     cache = DynamicCache(config=model.config)
     attn = prompt_mask.long()                                  # (B, P), 0 on left padding
     pos = (attn.cumsum(-1) - 1).clamp(min=0)                   # (B, P), positions skip the padding
@@ -1043,7 +1055,8 @@ def rollout(model, tokenizer, problems, cfg: Config, device) -> dict:
     completions, sampled = sample_completions(model, prompt_ids, prompt_mask, cfg.max_new_tokens,
                                               tokenizer.eos_token_id, tokenizer.pad_token_id,
                                               temperature=cfg.temperature, group_size=G,
-                                              with_logprobs=True)                  # (B, T) each
+                                              with_logprobs=True,                  # (B, T) each
+                                              rows=SAMPLE_TOKENS // cfg.max_new_tokens if cfg.micro_batch else 0)
     mask = completion_mask(completions, tokenizer.eos_token_id)                    # (B, T)
     answers = [answer_text(task, a, b) for a, b in problems for _ in range(G)]
     rewards = torch.tensor([reward(row, ans, tokenizer, task=task) for row, ans in
@@ -1122,8 +1135,9 @@ def summarise_minibatches(logs: list[dict]) -> dict:
 
     `clip_ceiling` is the share of the step's tokens that could clip at all: `clip_tokens` never
     exceeds it, whatever the band. `grad_norm` is the largest of the minibatches' gradient norms
-    (before clipping); `abs_log_s_q` and `abs_token_log_ratio_q` hold, per minibatch in order, the
-    `quantiles` of |log s| and of the token log-ratios |delta_t|; the engine gap is minibatch 1's.
+    (before clipping); `clip_seqs_by_minibatch` holds, per minibatch in order, its share of clipped
+    sequences, and `abs_log_s_q` and `abs_token_log_ratio_q` the `quantiles` of |log s| and of the
+    token log-ratios |delta_t|; the engine gap is minibatch 1's.
     """
     s = torch.cat([m["s"] for m in logs])                                  # (B,)
     tokens = max(sum(m["n_tokens"] for m in logs), 1)
@@ -1137,6 +1151,7 @@ def summarise_minibatches(logs: list[dict]) -> dict:
             "form_gap": max(m["form_gap"] for m in logs),
             **({"grad_norm": max(m["grad_norm"] for m in logs)} if "grad_norm" in logs[0] else {}),
             **{k: logs[0][k] for k in ("engine_gap_tokens", "engine_gap_seqs") if k in logs[0]},
+            "clip_seqs_by_minibatch": [m["n_clip_seqs"] / len(m["s"]) for m in logs],
             "abs_log_s_q": [m["abs_log_s_q"] for m in logs],
             "abs_token_log_ratio_q": [m["abs_token_log_ratio_q"] for m in logs]}
 
@@ -1844,6 +1859,8 @@ MAX_ROLLOUT = 2 ** 16          # completions per rollout, --prompts-per-step x -
 MAX_HELD_OUT = 100_000         # --test-size + --val-size: every evaluation scores all of them
 MICRO_BATCH_ABOVE = 20_000_000  # parameters: above, --micro-batch defaults to
 MICRO_BATCH_TOKENS = 1024       # this many completion tokens per forward and backward pass
+SAMPLE_TOKENS = 4096            # with a micro-batch, a rollout samples whole groups of at most this
+                                # many rows x --max-new-tokens at a time (its KV cache bounded)
 MAX_NEW_TOKENS_BUILT_IN = 1024   # the built-in model's longest answer (addwork's) is 60 tokens
 FLAG_RANGES = {
     "seed": (0, 2 ** 64 - 1, "torch.manual_seed's range; random.Random would read -s as s"),

@@ -8,6 +8,7 @@ import math
 import os
 import random
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -59,13 +60,16 @@ def test_metrics_has_one_object_per_rl_step_with_every_logged_field(tiny_run):
     fields = {"reward", "flat_groups", "s_mean", "s_min", "s_max", "clip_tokens", "clip_seqs",
               "clip_ceiling", "form_gap", "response_tokens", "tokens_per_second", "step_seconds",
               "loss", "grad_norm", "engine_gap_tokens", "engine_gap_seqs", "abs_log_s_q",
-              "abs_token_log_ratio_q"}
+              "abs_token_log_ratio_q", "clip_seqs_by_minibatch"}
     for r in rl:
         assert fields <= set(r), fields - set(r)
         assert r["engine_gap_tokens"] < 1e-5 and r["grad_norm"] >= 0   # the float32 sampler is the trainer
         # one list of quantiles per minibatch; minibatch 1 is on-policy, its |log s| exactly 0
         assert len(r["abs_log_s_q"]) == len(r["abs_token_log_ratio_q"]) == 2
         assert r["abs_log_s_q"][0] == [0.0] * len(g.QUANTILES) and sorted(r["abs_log_s_q"][1]) == r["abs_log_s_q"][1]
+        # s = 1 on minibatch 1 clips nothing; the step's share is the minibatches' mean (equal halves)
+        assert r["clip_seqs_by_minibatch"][0] == 0.0
+        assert abs(statistics.fmean(r["clip_seqs_by_minibatch"]) - r["clip_seqs"]) < 1e-12
         assert r["s_min"] <= r["s_mean"] <= r["s_max"]
         assert r["form_gap"] < 1e-4          # the three forms of s agree to float32 round-off
         assert 0 <= r["clip_tokens"] <= r["clip_ceiling"] <= 1
@@ -817,6 +821,31 @@ def test_grouped_sampler_equals_the_per_row_sampler():
         torch.manual_seed(1)
         grouped = g.sample_completions(model, *args, temperature=temperature, group_size=4)
         assert torch.equal(per_row, grouped)
+
+
+def test_sampling_in_pieces_of_whole_groups_equals_one_pass_when_greedy():
+    """rows=N: the same greedy completions and records as the whole batch at once, padded to one
+    length; each piece is whole groups (6 rows of groups of 4 -> pieces of 4)."""
+    model, tok, cfg, batch = tiny_rollout()
+    args = (batch["prompt_ids"], batch["prompt_mask"], 6, tok.eos_token_id, tok.pad_token_id)
+    whole, rec = g.sample_completions(model, *args, temperature=0.0, group_size=4, with_logprobs=True)
+    calls = []
+    real = g.sample_completions
+
+    def spy(model, ids, *a, **kw):
+        calls.append(len(ids))
+        return real(model, ids, *a, **kw)
+    g.sample_completions = spy
+    try:
+        pieces, rec_p = g.sample_completions(model, *args, temperature=0.0, group_size=4, with_logprobs=True, rows=6)
+    finally:
+        g.sample_completions = real
+    assert calls[1:] == [4] * (len(whole) // 4)              # the outer call, then one piece per group
+    mask = g.completion_mask(whole, tok.eos_token_id)
+    T = whole.shape[1]
+    assert torch.equal(pieces[:, :T], whole) and (pieces[:, T:] == tok.pad_token_id).all()
+    assert torch.allclose(rec_p[:, :T][mask], rec[mask], atol=1e-5)
+    assert torch.equal(g.sample_completions(model, *args, temperature=0.0, group_size=4, rows=6), pieces)
 
 
 # --- tutorial.md: its Python blocks run, in order, in one namespace ------------------------------

@@ -350,7 +350,7 @@ def test_each_subcommand_and_child_process_reaches_its_function(monkeypatch, cap
     assert calls.pop() == ("warm_start", ["--moe"], 1, "runs/map/w", "python studies/map.py _warmup moe 1 runs/map/w")
     for fn, argv, expected in (("figures_map", [], (False,)), ("figures_map", ["--confirm"], (True,)),
                                ("prototype", ["prototype"], ()), ("write_design", ["design"], ()),
-                               ("pilot", ["pilot"], ())):
+                               ("pilot", ["pilot"], ()), ("first_minibatch_clip", ["clip"], ())):
         monkeypatch.setattr(regimes, fn, lambda *args, fn=fn, **kw: calls.append((fn, *args, *kw.values()))
                             or {"cells": {}, "projection": {"seconds": 0.0}, "step_fraction": 0.5,
                                 "projection_at_full_steps": {"seconds": 0.0}})
@@ -651,10 +651,10 @@ def test_golden_run_lists_settings_and_jobs():
                  "FIG_RUNS", "FAMILY_RUNS", "LONG_RUNS", "PRE_DIR", "GPU_CHECK_DIR", "BENCH_DIR",
                  "WARM_CYCLES", "CHECKPOINTING_CYCLES", "DEFAULTS"):
         assert_same(old(name), now(name), name)
-    # make pretrained's memory goal changed three settings on purpose: the rest are the same
-    changed = {"logprob_chunk": 8, "micro_batch": None, "peak_rss_goal_mb": None}
+    # make pretrained's memory goal changed four settings on purpose: the rest are the same
+    changed = {"logprob_chunk": 8, "micro_batch": None, "peak_rss_goal_mb": None, "sample_rows": None}
     assert {k: changed.get(k, v) for k, v in now("PRE").items() if k in old("PRE")} == old("PRE")
-    assert now("PRE")["logprob_chunk"] == 4 and now("PRE")["micro_batch"] == 4
+    assert now("PRE")["logprob_chunk"] == 4 and now("PRE")["micro_batch"] == 2 and now("PRE")["sample_rows"] == 16
     for name in ("figure_runs", "family_runs", "long_runs"):
         same_call(name)
     same_call("warm_dir", 2)
@@ -1121,11 +1121,12 @@ def test_pretrained_json_copies_and_slopes_agree_with_its_measurement():
     r = committed("pretrained.json")
     m = r["measurement"]
     assert r["seconds"] == r["pretrained_seconds"]
-    # the code still holds the settings the run was made with, but for the three the memory goal
-    # changed while the JSON predates them: logprob_chunk was 8, micro_batch and peak_rss_goal_mb new
+    # the code still holds the settings the run was made with, but for the four the memory goal
+    # changed while the JSON predates them: logprob_chunk was 8; micro_batch, sample_rows and
+    # peak_rss_goal_mb are new
     expected = dict(pretrained.PRE)
     if "micro_batch" not in r["settings"]:
-        del expected["micro_batch"], expected["peak_rss_goal_mb"]
+        del expected["micro_batch"], expected["peak_rss_goal_mb"], expected["sample_rows"]
         expected["logprob_chunk"] = 8
     assert r["settings"] == expected
     for key in ("response_tokens_median", "response_tokens_p10", "response_tokens_p90",
@@ -1483,6 +1484,48 @@ def test_map_summary_and_plot_on_fake_runs(tiny_run, tmp_path, monkeypatch):
     assert os.path.getsize(os.path.join("figures", "map.png")) > 10_000
 
 
+def test_map_clip_phase_reruns_the_bf16_cells_and_keeps_the_rest_of_map_json(tiny_run, tmp_path, monkeypatch):
+    """make figures-map CLIP=1 on fake runs: the 12 jobs it asks for, the per-minibatch clip shares it
+    reads back, each run beside its map.json twin, and map.json's first phase left as it was."""
+    monkeypatch.chdir(tmp_path)
+    with open(os.path.join(tiny_run[0], "summary.json")) as f:
+        summary = json.load(f)
+    with open(os.path.join(tiny_run[0], "metrics.jsonl")) as f:
+        rl = [json.loads(line) for line in f if '"rl"' in line]
+    first = {"command": "python studies/map.py", "measured_at_commit": "abc", "design": regimes.design(0.5),
+             "runs": [{"name": regimes.run_name(c, loss, s), "accuracy_after_rl": 0.5}
+                      for c in regimes.CLIP_CELLS for loss in ("gspo", "grpo") for s in (0, 1, 2)]}
+    os.makedirs("figures")
+    with open(regimes.MAP_JSON, "w") as f:
+        json.dump(first, f)
+    jobs = []
+    monkeypatch.setattr(regimes, "run_jobs", lambda js, folder: jobs.extend(js))
+    for i, job in enumerate(j for j in regimes.run_jobs_of(regimes.CLIP_CELLS, (0, 1, 2), 0.5, regimes.CLIP_RUNS)):
+        out = os.path.dirname(job["done"])
+        os.makedirs(out)
+        steps = [dict(r, clip_seqs_by_minibatch=[0.25 * (i % 2), 0.5]) for r in rl]   # GRPO: 0.25 on minibatch 1
+        with open(os.path.join(out, "metrics.jsonl"), "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in steps)
+        loss = "gspo" if "_gspo_" in job["name"] else "grpo"
+        with open(os.path.join(out, "summary.json"), "w") as f:
+            json.dump({**summary, "loss": loss, "accuracy_after_rl": 0.5 if i != 1 else 0.6}, f)
+    regimes.first_minibatch_clip()
+    assert [j["name"] for j in jobs[:3]] == [f"warmup_dense_s{s}" for s in (0, 1, 2)] and len(jobs) == 15
+    assert all(j["cmd"][j["cmd"].index("--out") + 1].startswith(regimes.CLIP_RUNS) for j in jobs[3:])
+    assert all("bfloat16" in j["cmd"] for j in jobs[3:])
+    record = regimes.read_json(regimes.MAP_JSON)
+    assert {k: record[k] for k in first} == first                            # the first phase untouched
+    clip = record["first_minibatch_clip"]
+    assert clip["command"] == "python studies/map.py clip" and clip["seconds"] >= 0 and "measured_at_commit" in clip
+    runs = {r["name"]: r for r in clip["runs"]}
+    assert len(runs) == 12 and runs["bf16_trainer_grpo_s0"]["same_accuracy_as_map"] is False
+    assert runs["bf16_trainer_gspo_s0"]["same_accuracy_as_map"] is True
+    assert runs["bf16_sampler_grpo_s2"]["clip_seqs_by_minibatch"] == [0.25, 0.5]
+    assert runs["bf16_sampler_grpo_s2"]["minibatch_1_step_1"] == 0.25 and runs["bf16_sampler_gspo_s2"]["steps"] == len(rl)
+    assert clip["by_cell"]["bf16_sampler"]["gspo"]["minibatch_1_step_1_median"] == 0.0
+    assert clip["by_cell"]["bf16_trainer"]["grpo"]["minibatch_1_mean_median"] == 0.25
+
+
 # --- make pretrained-seeds: its settings, its arithmetic, its processes ------------------------
 def test_pretrained_seeds_settings_are_make_pretrained_s_run_on_256_problems():
     S = pretrained_seeds.SETTINGS
@@ -1545,6 +1588,32 @@ def test_each_part_of_make_pretrained_records_its_own_peak_not_an_earlier_parts(
     second = pretrained.pre_part("small", dict)
     assert first["peak_rss_mb"] > second["peak_rss_mb"] + 300
     assert pretrained.pre_part("big", dict)["peak_rss_mb"] == first["peak_rss_mb"]     # reused from disk
+
+
+def test_make_pretrained_runs_each_part_in_a_child_that_keeps_its_json(tmp_path, monkeypatch, capsys):
+    """run_part starts `studies/pretrained.py _part NAME` (here main() in-process, part_result faked),
+    reads back the JSON the child kept, reuses it later, and stops on a child's failure."""
+    monkeypatch.setattr(pretrained, "PRE_DIR", str(tmp_path))
+    monkeypatch.setattr(pretrained, "smollm_gguf", lambda: "m.gguf")
+    monkeypatch.setattr(pretrained, "part_result", lambda name, path: {"part": name, "path": path})
+    started = []
+
+    def child(script, args):
+        started.append((script, *args))
+        return pretrained.main(args), 123.0
+    monkeypatch.setattr(pretrained, "in_own_process", child)
+    r = pretrained.run_part("update")
+    assert started == [("studies/pretrained.py", "_part", "update")]
+    assert r["part"] == "update" and r["path"] == "m.gguf" and r["peak_rss_mb"] > 0 and r["seconds"] >= 0
+    assert r["command"] == "python studies/pretrained.py (update)"
+    assert pretrained.run_part("update") == r and len(started) == 1            # reused, no child
+    monkeypatch.setattr(pretrained, "in_own_process", lambda script, args: (1, 0.0))
+    with pytest.raises(common.StudyFailed, match="the part sampling exited with 1") as stop:
+        pretrained.run_part("sampling")
+    assert stop.value.code == 1
+    refused(capsys, pretrained.main(["_part", "nothing"]), says="usage: python studies/pretrained.py _part")
+    assert set(pretrained.PARTS) == {"sampling", "heldout_before", "update", "train_gspo", "train_shuffled",
+                                     "answer_forms", "token_logprobs"}
 
 
 @pytest.mark.thorough          # about 30 s: four runs of the script, each in a process of its own

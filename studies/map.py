@@ -9,6 +9,9 @@ decision rule fixed before the runs.
                                        # reused): figures/map_prototype.json, and the step fraction
     python studies/map.py design       # the design and the pilot into figures/map.json, no run
     python studies/map.py pilot        # the decision rule applied to figures.json's add2 runs
+    python studies/map.py clip         # `make figures-map CLIP=1`: the two bf16-sampler cells again
+                                       # (runs/map_clip), logging the clipped share per minibatch:
+                                       # map.json's `first_minibatch_clip` (about 5 min)
 
 The GSPO paper places GSPO's advantage over GRPO in four conditions: updates far off-policy, long
 responses, expert volatility in mixture-of-experts models, and a precision gap between the engine
@@ -74,6 +77,13 @@ CELLS = {"base": ("dense", []),
 TASK_OF = {"dense": "add2", "moe": "add2", "addwork": "addwork"}
 PROVENANCE = ("command", "seconds", "measured_at_commit", "dirty", "versions", "threads")
 NOISE_FIRST = ("base", "addwork_deep_hot")   # each task's noise is measured up front in these
+CLIP_RUNS = "runs/map_clip"
+CLIP_CELLS = ("bf16_trainer", "bf16_sampler")   # the same bf16 sampler, pi_old from each engine
+CLIP_METRIC = ("clip_seqs_by_minibatch: per minibatch index, the share of the step's sequences in that "
+               "minibatch that clip (gspo_minimal.ratio_metrics), as the mean over the run's steps; "
+               "minibatch_1_step_1 is the first update of the run. The runs repeat map.json's own (same "
+               "flags, seeds and steps, from the same warm-ups); `same_accuracy_as_map` says whether "
+               "each ended where its map.json run did")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -467,6 +477,58 @@ def figures_map(confirm: bool = False) -> dict:
     return record
 
 
+def clip_record(name: str, cell: str, seed: int) -> dict:
+    """One rerun's clipped shares per minibatch, beside its map.json twin's accuracy."""
+    rl = [r for r in read_metrics(name, CLIP_RUNS) if r["stage"] == "rl"]
+    per_step = [r["clip_seqs_by_minibatch"] for r in rl]
+    return {"name": name, "cell": cell, "loss": read_summary(name, CLIP_RUNS)["loss"], "seed": seed,
+            "steps": len(rl), "minibatch_1_step_1": per_step[0][0],
+            "clip_seqs_by_minibatch": [statistics.fmean(step[k] for step in per_step)
+                                       for k in range(len(per_step[0]))],
+            "accuracy_after_rl": read_summary(name, CLIP_RUNS)["accuracy_after_rl"]}
+
+
+def first_minibatch_clip() -> dict:
+    """`make figures-map CLIP=1`: the bf16-sampler cells' runs again, with the per-minibatch clip
+    share the first phase did not log, into map.json's `first_minibatch_clip` (its own provenance;
+    the rest of map.json untouched)."""
+    import gspo_minimal as g
+    record = read_json(MAP_JSON)
+    if not record.get("runs"):
+        fail(f"{MAP_JSON} has no first phase yet: run `make figures-map` first")
+    fraction = record["design"]["step_fraction"]
+    t0 = time.perf_counter()
+    jobs = [warmup_job("dense", s) for s in SEEDS]
+    jobs += run_jobs_of(CLIP_CELLS, SEEDS, fraction, folder=CLIP_RUNS)
+    run_jobs(jobs, CLIP_RUNS)
+    twin = {r["name"]: r["accuracy_after_rl"] for r in record["runs"]}
+    runs = []
+    for cell in CLIP_CELLS:
+        for seed in SEEDS:
+            for loss in ("gspo", "grpo"):
+                rec = clip_record(run_name(cell, loss, seed), cell, seed)
+                rec["map_accuracy_after_rl"] = twin.get(rec["name"])
+                rec["same_accuracy_as_map"] = rec["map_accuracy_after_rl"] == rec["accuracy_after_rl"]
+                runs.append(rec)
+    def median_of(cell, loss, value):
+        return statistics.median(value(r) for r in runs if r["cell"] == cell and r["loss"] == loss)
+    by_cell = {cell: {loss: {"minibatch_1_step_1_median": median_of(cell, loss, lambda r: r["minibatch_1_step_1"]),
+                             "minibatch_1_mean_median": median_of(cell, loss, lambda r: r["clip_seqs_by_minibatch"][0])}
+                      for loss in ("gspo", "grpo")} for cell in CLIP_CELLS}
+    seconds = time.perf_counter() - t0
+    record["first_minibatch_clip"] = {**g.provenance("python studies/map.py clip", seconds),
+                                      "metric": CLIP_METRIC, "cells": list(CLIP_CELLS), "seeds": list(SEEDS),
+                                      "runs": runs, "by_cell": by_cell}
+    with open(MAP_JSON, "w") as f:                         # the first phase's provenance stays
+        json.dump(g.finite_or_null(record), f, indent=2, allow_nan=False)
+    for cell, v in by_cell.items():
+        for loss, m in v.items():
+            print(f"{cell:14s} {loss}: minibatch 1 clips {m['minibatch_1_step_1_median']:.3f} of its "
+                  f"sequences at step 1, {m['minibatch_1_mean_median']:.3f} over the run (medians of 3 seeds)")
+    print(f"{MAP_JSON} first_minibatch_clip, {seconds:.0f} s")
+    return record
+
+
 def plot_map(plt, record: dict) -> None:
     """The cells down one axis; test accuracy after RL, GSPO and GRPO side by side, each seed a dot
     (x: collapsed); the paired differences with each cell's noise beside them."""
@@ -519,7 +581,8 @@ def main(argv=None) -> int:
         warm_start(MODELS[model]["warmup"], seed, out, " ".join(["python studies/map.py _warmup", *argv[1:]]))
         return 0
     parser = Parser(description=__doc__.splitlines()[0])
-    parser.add_argument("what", nargs="?", choices=("run", "prototype", "design", "pilot"), default="run")
+    parser.add_argument("what", nargs="?", choices=("run", "prototype", "design", "pilot", "clip"),
+                        default="run")
     parser.add_argument("--confirm", action="store_true", help="the confirmation phase (CONFIRM=1)")
     args = parser.parse_args(argv)
     from transformers.utils import logging as hf_logging
@@ -533,6 +596,8 @@ def main(argv=None) -> int:
         p = proto["projection"]
         print(f"step fraction {proto['step_fraction']}: first phase projected at {p['seconds'] / 60:.1f} min "
               f"(at full steps {proto['projection_at_full_steps']['seconds'] / 60:.1f} min); {PROTOTYPE_JSON}")
+    elif args.what == "clip":
+        first_minibatch_clip()
     elif args.what == "design":
         write_design()
         print(f"{MAP_JSON}: the design and the pilot, no runs")

