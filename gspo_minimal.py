@@ -478,13 +478,14 @@ def sample_completions(model, prompt_ids, prompt_mask, max_new_tokens: int, eos_
     G = group_size
     step = max(G, rows // G * G) if rows else len(prompt_ids)
     if step < len(prompt_ids):
-        kw = dict(temperature=temperature, suppress_eos=suppress_eos, group_size=G, with_logprobs=True)
+        kw = dict(temperature=temperature, suppress_eos=suppress_eos, group_size=G, with_logprobs=with_logprobs)
         pieces = [sample_completions(model, prompt_ids[i:i + step], prompt_mask[i:i + step], max_new_tokens,
                                      eos_id, pad_id, **kw) for i in range(0, len(prompt_ids), step)]
-        T = max(c.shape[1] for c, _ in pieces)       # a piece whose rows all stopped early is shorter
-        comp = torch.cat([torch.nn.functional.pad(c, (0, T - c.shape[1]), value=pad_id) for c, _ in pieces])
-        logp = torch.cat([torch.nn.functional.pad(lp, (0, T - lp.shape[1])) for _, lp in pieces])
-        return (comp, logp) if with_logprobs else comp
+        pieces = [p if with_logprobs else (p,) for p in pieces]      # (completions[, record]) each
+        T = max(p[0].shape[1] for p in pieces)       # a piece whose rows all stopped early is shorter
+        out = [torch.cat([torch.nn.functional.pad(p[k], (0, T - p[k].shape[1]), value=fill) for p in pieces])
+               for k, fill in zip(range(len(pieces[0])), (pad_id, 0.0))]
+        return tuple(out) if with_logprobs else out[0]
     cache = DynamicCache(config=model.config)
     attn = prompt_mask.long()                                  # (B, P), 0 on left padding
     pos = (attn.cumsum(-1) - 1).clamp(min=0)                   # (B, P), positions skip the padding

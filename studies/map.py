@@ -481,11 +481,12 @@ def clip_record(name: str, cell: str, seed: int) -> dict:
     """One rerun's clipped shares per minibatch, beside its map.json twin's accuracy."""
     rl = [r for r in read_metrics(name, CLIP_RUNS) if r["stage"] == "rl"]
     per_step = [r["clip_seqs_by_minibatch"] for r in rl]
-    return {"name": name, "cell": cell, "loss": read_summary(name, CLIP_RUNS)["loss"], "seed": seed,
+    s = read_summary(name, CLIP_RUNS)
+    return {"name": name, "cell": cell, "loss": s["loss"], "seed": seed,
             "steps": len(rl), "minibatch_1_step_1": per_step[0][0],
             "clip_seqs_by_minibatch": [statistics.fmean(step[k] for step in per_step)
                                        for k in range(len(per_step[0]))],
-            "accuracy_after_rl": read_summary(name, CLIP_RUNS)["accuracy_after_rl"]}
+            "accuracy_after_rl": s["accuracy_after_rl"]}
 
 
 def first_minibatch_clip() -> dict:
