@@ -298,6 +298,14 @@ def answer_forms(model, tok, problems, max_new: int, top: int = 4) -> dict:
             "first_answers": texts[:5]}
 
 
+def scored_checkpoint(out: str, test, max_new: int) -> dict:
+    """A finished `gspo_minimal.py --model ... --out OUT` run: its summary and its checkpoint's greedy
+    reward on every held-out problem (make pretrained's training runs and make pretrained-seeds')."""
+    m, t = g.load_pretrained(os.path.join(out, "checkpoint"))
+    return {"summary": read_json(os.path.join(out, "summary.json")),
+            "rewards": heldout_rewards(m.eval(), t, test, max_new)}
+
+
 def paired_bootstrap(before: list[float], after: list[float], n_boot: int) -> list[float]:
     """95% interval of the mean gain over problems, the problems resampled in pairs."""
     d = torch.tensor(after, dtype=torch.float64) - torch.tensor(before, dtype=torch.float64)
@@ -339,10 +347,7 @@ def part_result(name: str, path: str) -> dict:
         out = os.path.join(PRE_DIR, name.removeprefix("train_"))
         extra = ["--shuffle-rewards"] if name == "train_shuffled" else []
         code = g.main(["--model", path, *PRE["train"], *extra, "--out", out])
-        with open(os.path.join(out, "summary.json")) as f:
-            s = json.load(f)
-        m, t = g.load_pretrained(os.path.join(out, "checkpoint"))
-        return {"exit_code": code, "summary": s, "rewards": heldout_rewards(m.eval(), t, test, max_new)}
+        return {"exit_code": code, **scored_checkpoint(out, test, max_new)}
     if name == "answer_forms":
         out = {"before": answer_forms(*g.load_pretrained(path), test, max_new)}
         for run in ("gspo", "shuffled"):

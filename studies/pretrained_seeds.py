@@ -35,7 +35,7 @@ import torch  # noqa: E402
 import gspo_minimal as g  # noqa: E402
 from studies.common import (FIG_DIR, Parser, cli, fail, in_own_process, kept_part, peak_rss_mb,  # noqa: E402
                             read_json, smollm_gguf, write_json)
-from studies.pretrained import PRE, heldout_rewards, paired_bootstrap  # noqa: E402
+from studies.pretrained import PRE, heldout_rewards, paired_bootstrap, scored_checkpoint  # noqa: E402
 
 SEEDS_DIR = "runs/pretrained_seeds"
 SEEDS_JSON = os.path.join(FIG_DIR, "pretrained_seeds.json")
@@ -74,11 +74,8 @@ def scored_run(name: str, model: str, args: list[str], test) -> dict:
     code, peak = in_own_process("gspo_minimal.py", ["--model", model, *args, "--out", out])
     if code:
         fail(f"{name}: gspo_minimal.py exited with {code}; its log is above", 1)
-    s = read_json(os.path.join(out, "summary.json"))
-    m, t = g.load_pretrained(os.path.join(out, "checkpoint"))
-    max_new = int(option(args, "--max-new-tokens"))
-    return {"summary": s, "peak_rss_mb": peak, "settings": args,
-            "rewards": heldout_rewards(m.eval(), t, test, max_new)}
+    return {**scored_checkpoint(out, test, int(option(args, "--max-new-tokens"))),
+            "peak_rss_mb": peak, "settings": args}
 
 
 def seed_runs(path: str) -> dict:
