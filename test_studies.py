@@ -651,8 +651,9 @@ def test_golden_run_lists_settings_and_jobs():
                  "FIG_RUNS", "FAMILY_RUNS", "LONG_RUNS", "PRE_DIR", "GPU_CHECK_DIR", "BENCH_DIR",
                  "WARM_CYCLES", "CHECKPOINTING_CYCLES", "DEFAULTS"):
         assert_same(old(name), now(name), name)
-    # make pretrained's memory goal changed four settings on purpose: the rest are the same
-    changed = {"logprob_chunk": 8, "micro_batch": None, "peak_rss_goal_mb": None, "sample_rows": None}
+    # make pretrained's memory goal changed five settings on purpose: the rest are the same
+    changed = {"logprob_chunk": 8, "micro_batch": None, "peak_rss_goal_mb": None, "sample_rows": None,
+               "malloc_mmap_threshold": None}
     assert {k: changed.get(k, v) for k, v in now("PRE").items() if k in old("PRE")} == old("PRE")
     assert now("PRE")["logprob_chunk"] == 4 and now("PRE")["micro_batch"] == 2 and now("PRE")["sample_rows"] == 16
     for name in ("figure_runs", "family_runs", "long_runs"):
@@ -1121,14 +1122,13 @@ def test_pretrained_json_copies_and_slopes_agree_with_its_measurement():
     r = committed("pretrained.json")
     m = r["measurement"]
     assert r["seconds"] == r["pretrained_seconds"]
-    # the code still holds the settings the run was made with, but for the four the memory goal
-    # changed while the JSON predates them: logprob_chunk was 8; micro_batch, sample_rows and
-    # peak_rss_goal_mb are new
-    expected = dict(pretrained.PRE)
-    if "micro_batch" not in r["settings"]:
-        del expected["micro_batch"], expected["peak_rss_goal_mb"], expected["sample_rows"]
-        expected["logprob_chunk"] = 8
-    assert r["settings"] == expected
+    assert r["settings"] == pretrained.PRE            # the code still holds the settings it ran with
+    # each part's own peak, token_logprobs' outside the goal (it builds large logits on purpose)
+    by_part = r["peak_rss_mb_by_part"]
+    assert list(by_part) == list(pretrained.PARTS) and r["parts_in_own_processes"] is True
+    assert r["peak_rss_mb"] == max(v for k, v in by_part.items() if k != "token_logprobs")
+    assert r["peak_rss_within_goal"] == (r["peak_rss_mb"] <= r["settings"]["peak_rss_goal_mb"])
+    assert r["micro_batch"] == r["settings"]["micro_batch"]
     for key in ("response_tokens_median", "response_tokens_p10", "response_tokens_p90",
                 "equivalence_max_rel_err_float32", "equivalence_max_rel_err_float64", "variance_slope_log_s",
                 "variance_slope_log_s_ci95", "clip_lr", "update_tokens_per_second"):
@@ -1595,21 +1595,23 @@ def test_make_pretrained_runs_each_part_in_a_child_that_keeps_its_json(tmp_path,
     reads back the JSON the child kept, reuses it later, and stops on a child's failure."""
     monkeypatch.setattr(pretrained, "PRE_DIR", str(tmp_path))
     monkeypatch.setattr(pretrained, "smollm_gguf", lambda: "m.gguf")
-    monkeypatch.setattr(pretrained, "part_result", lambda name, path: {"part": name, "path": path})
+    monkeypatch.setattr(pretrained, "part_result", lambda name, path, trl: {"part": name, "path": path, "trl": trl})
     started = []
 
-    def child(script, args):
-        started.append((script, *args))
+    def child(script, args, env):
+        started.append((script, *args, env))
         return pretrained.main(args), 123.0
     monkeypatch.setattr(pretrained, "in_own_process", child)
-    r = pretrained.run_part("update")
-    assert started == [("studies/pretrained.py", "_part", "update")]
-    assert r["part"] == "update" and r["path"] == "m.gguf" and r["peak_rss_mb"] > 0 and r["seconds"] >= 0
+    r = pretrained.run_part("update", "t/python")
+    assert started == [("studies/pretrained.py", "_part", "update", "--trl-python", "t/python",
+                        {"MALLOC_MMAP_THRESHOLD_": "1048576"})]
+    assert r["part"] == "update" and r["path"] == "m.gguf" and r["trl"] == "t/python"
+    assert r["peak_rss_mb"] > 0 and r["seconds"] >= 0
     assert r["command"] == "python studies/pretrained.py (update)"
-    assert pretrained.run_part("update") == r and len(started) == 1            # reused, no child
-    monkeypatch.setattr(pretrained, "in_own_process", lambda script, args: (1, 0.0))
+    assert pretrained.run_part("update", "t/python") == r and len(started) == 1     # reused, no child
+    monkeypatch.setattr(pretrained, "in_own_process", lambda script, args, env: (1, 0.0))
     with pytest.raises(common.StudyFailed, match="the part sampling exited with 1") as stop:
-        pretrained.run_part("sampling")
+        pretrained.run_part("sampling", "t/python")
     assert stop.value.code == 1
     refused(capsys, pretrained.main(["_part", "nothing"]), says="usage: python studies/pretrained.py _part")
     assert set(pretrained.PARTS) == {"sampling", "heldout_before", "update", "train_gspo", "train_shuffled",

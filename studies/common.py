@@ -395,15 +395,17 @@ _PEAK_WRAPPER = ("import atexit, runpy, sys\n"
                  "runpy.run_path(sys.argv[0], run_name='__main__')\n")
 
 
-def in_own_process(script: str, args: list[str], python: str = sys.executable) -> tuple[int, float]:
-    """Run `python script args` from the repository root, in a process of its own: its exit code
-    and its own peak resident memory in MiB (read inside it: a process's VmHWM starts afresh at
-    exec, so the parent's memory is not counted, as getrusage's would be)."""
+def in_own_process(script: str, args: list[str], python: str = sys.executable,
+                   env: dict | None = None) -> tuple[int, float]:
+    """Run `python script args` from the repository root, in a process of its own (with `env`
+    added to its environment): its exit code and its own peak resident memory in MiB (read inside
+    it: a process's VmHWM starts afresh at exec, so the parent's memory is not counted, as
+    getrusage's would be)."""
     import tempfile
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "peak")
         proc = subprocess.run([python, "-c", _PEAK_WRAPPER, out, script, *args], cwd=ROOT,
-                              env={**os.environ, "HF_HUB_OFFLINE": "1"})
+                              env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})})
         with open(out) as f:
             return proc.returncode, int(f.read()) / 1024
 

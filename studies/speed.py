@@ -142,12 +142,15 @@ def logprobs_variant(name: str, dtype_name: str) -> dict:
             "max_abs_err_vs_float64": (out.double() - ref).abs().max().item()}
 
 
-def measure_logprobs() -> dict:
+def measure_logprobs(trl_python: str | None = None) -> dict:
+    """Every variant in a fresh process; the trl variant's in `trl_python` (an interpreter with TRL,
+    as make pretrained's .venv-pretrained has none), else in this one."""
     t0 = time.perf_counter()
     variants = [(n, d) for n in ("ours", "one_shot", "trl") for d in ("float32", "bfloat16")]
     rows = []
     for name, dtype in variants:
-        res = subprocess.run([sys.executable, __file__, "_logprobs", name, dtype],
+        python = trl_python if name == "trl" and trl_python else sys.executable
+        res = subprocess.run([python, __file__, "_logprobs", name, dtype],
                              capture_output=True, text=True)
         if res.returncode != 0:
             print(f"{name} {dtype}: skipped ({res.stderr.strip().splitlines()[-1]})", flush=True)
