@@ -1609,6 +1609,8 @@ def test_make_pretrained_runs_each_part_in_a_child_that_keeps_its_json(tmp_path,
     assert r["peak_rss_mb"] > 0 and r["seconds"] >= 0
     assert r["command"] == "python studies/pretrained.py (update)"
     assert pretrained.run_part("update", "t/python") == r and len(started) == 1     # reused, no child
+    assert pretrained.run_part("token_logprobs", "t/python")["part"] == "token_logprobs"
+    assert started[-1][-1] == {}                          # no model loaded: glibc's default allocator
     monkeypatch.setattr(pretrained, "in_own_process", lambda script, args, env: (1, 0.0))
     with pytest.raises(common.StudyFailed, match="the part sampling exited with 1") as stop:
         pretrained.run_part("sampling", "t/python")

@@ -70,11 +70,11 @@ PRE = {
     "sample_rows": 16,          # rows sampled at a time in the update's rollouts: one group's KV cache
                                 # (gspo_minimal.SAMPLE_TOKENS // 256; all 96 at once before the goal)
     "peak_rss_goal_mb": 4096,   # every part that loads SmolLM2 but token_logprobs
-    "malloc_mmap_threshold": 1 << 20,   # each part's MALLOC_MMAP_THRESHOLD_: glibc then maps every
-                                # block of 1 MiB or more on its own and unmaps it when freed; by
-                                # default it raises the threshold as large blocks are freed, keeps
-                                # blocks up to 32 MiB (weights, moments, activations) in its heap
-                                # once freed, and the update part peaked 0.5 GiB higher for it
+    "malloc_mmap_threshold": 1 << 20,   # MALLOC_MMAP_THRESHOLD_ of every part that loads SmolLM2:
+                                # glibc then maps each block of 1 MiB or more on its own and unmaps
+                                # it when freed; by default it raises that threshold as large blocks
+                                # are freed and keeps blocks of up to 32 MiB (weights, moments,
+                                # activations) in its heap once freed. Costs time: see results.md
     "sampling_prompts": 32, "sampling_tokens": 64, "sampling_repeats": 2,
     "bootstrap_resamples": 10000,
     # the short training run: the script itself, as a user would run it, and its control
@@ -370,8 +370,9 @@ def run_part(name: str, trl_python: str) -> dict:
     own, not what earlier parts left resident (the allocator keeps freed memory). Reused from
     runs/pretrained/<name>.json when an earlier invocation finished it."""
     if not os.path.exists(os.path.join(PRE_DIR, f"{name}.json")):
-        code, _ = in_own_process("studies/pretrained.py", ["_part", name, "--trl-python", trl_python],
-                                 env={"MALLOC_MMAP_THRESHOLD_": str(PRE["malloc_mmap_threshold"])})
+        # token_logprobs loads no model and times allocations: it keeps glibc's default
+        env = {} if name == "token_logprobs" else {"MALLOC_MMAP_THRESHOLD_": str(PRE["malloc_mmap_threshold"])}
+        code, _ = in_own_process("studies/pretrained.py", ["_part", name, "--trl-python", trl_python], env=env)
         if code:
             fail(f"make pretrained: the part {name} exited with {code}; its log is above", 1)
     else:
