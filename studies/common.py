@@ -137,8 +137,13 @@ def load_checkpoint(path: str = os.path.join(TRAIN_DIR, "checkpoint")):
 def write_json(path: str, data: dict, command: str, seconds: float) -> None:
     """A result file with the keys every JSON of the project carries (gspo_minimal.provenance)."""
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    record = {**g.provenance(command, seconds), **data}     # before `open` empties a tracked file,
-    with open(path, "w") as f:                              # which would read as a dirty tree
+    # provenance before `open` empties a tracked file, which would read as a dirty tree
+    rewrite_json(path, {**g.provenance(command, seconds), **data})
+
+
+def rewrite_json(path: str, record: dict) -> None:
+    """A result file written as it is, its provenance kept (a later step that adds keys to it)."""
+    with open(path, "w") as f:
         # strict JSON: a number a study could not measure (a median of no runs, the variance of one
         # answer, an overflowing perplexity) is NaN or inf in Python and null in the file
         json.dump(g.finite_or_null(record), f, indent=2, allow_nan=False)

@@ -35,7 +35,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # gspo_minimal, studies
 
 from studies.common import (FIG_DIR, FIG_STEPS, SEEDS, Parser, cli, fail, read_json, read_metrics,  # noqa: E402
-                            read_summary, run_jobs, script_job, warm_start, write_json)
+                            read_summary, rewrite_json, run_jobs, script_job, warm_start, write_json)
 from studies.long import LONG_STEPS, warm_dir as long_warm_dir  # noqa: E402
 
 MAP_RUNS = "runs/map"
@@ -520,8 +520,7 @@ def first_minibatch_clip() -> dict:
     record["first_minibatch_clip"] = {**g.provenance("python studies/map.py clip", seconds),
                                       "metric": CLIP_METRIC, "cells": list(CLIP_CELLS), "seeds": list(SEEDS),
                                       "runs": runs, "by_cell": by_cell}
-    with open(MAP_JSON, "w") as f:                         # the first phase's provenance stays
-        json.dump(g.finite_or_null(record), f, indent=2, allow_nan=False)
+    rewrite_json(MAP_JSON, record)                         # the first phase's provenance stays
     for cell, v in by_cell.items():
         for loss, m in v.items():
             print(f"{cell:14s} {loss}: minibatch 1 clips {m['minibatch_1_step_1_median']:.3f} of its "

@@ -43,7 +43,7 @@ import torch  # noqa: E402
 import gspo_minimal as g  # noqa: E402
 from studies.common import (FIG_DIR, Parser, binned_variance, cli, fail, in_own_process, kept_part,  # noqa: E402
                             loglog_slope, logprobs_in_chunks, minibatch_ratios, read_json, smollm_gguf,
-                            variance_panels, variance_profile, write_json)
+                            rewrite_json, variance_panels, variance_profile, write_json)
 from studies.speed import measure_logprobs  # noqa: E402
 
 
@@ -329,6 +329,9 @@ def pre_part(name: str, fn) -> dict:
 
 PARTS = ("sampling", "heldout_before", "update", "train_gspo", "train_shuffled", "answer_forms",
          "token_logprobs")
+# The parts that load SmolLM2: the memory goal's, run with the allocator setting. token_logprobs
+# builds (8, 1024, 49152) logits on purpose and times allocations.
+MODEL_PARTS = tuple(p for p in PARTS if p != "token_logprobs")
 
 
 def heldout_split() -> tuple[list, int]:
@@ -372,8 +375,7 @@ def run_part(name: str, trl_python: str) -> dict:
     own, not what earlier parts left resident (the allocator keeps freed memory). Reused from
     runs/pretrained/<name>.json when an earlier invocation finished it."""
     if not os.path.exists(os.path.join(PRE_DIR, f"{name}.json")):
-        # token_logprobs loads no model and times allocations: it keeps glibc's default
-        env = {} if name == "token_logprobs" else {"MALLOC_MMAP_THRESHOLD_": str(PRE["malloc_mmap_threshold"])}
+        env = {"MALLOC_MMAP_THRESHOLD_": str(PRE["malloc_mmap_threshold"])} if name in MODEL_PARTS else {}
         code, _ = in_own_process("studies/pretrained.py", ["_part", name, "--trl-python", trl_python], env=env)
         if code:
             fail(f"make pretrained: the part {name} exited with {code}; its log is above", 1)
@@ -403,9 +405,9 @@ def pretrained(trl_python: str) -> dict:
                                                                     "answer_forms", "token_logprobs"))
     runs = {"gspo": got["train_gspo"], "shuffled": got["train_shuffled"]}
     parts = list(got.values())
-    # each part's own peak; token_logprobs builds (8, 1024, 49152) logits on purpose, in children
-    # that report their own (its extra_mib), and stays outside the goal
+    # each part's own peak; token_logprobs' children report their own (its extra_mib), outside the goal
     by_part = {name: p["peak_rss_mb"] for name, p in got.items()}
+    peak = max(by_part[k] for k in MODEL_PARTS)
     b = PRE["bootstrap_resamples"]
     gain = {k: paired_bootstrap(before["rewards"], r["rewards"], b) for k, r in runs.items()}
     prof = update["variance_prefix_64"]
@@ -440,11 +442,10 @@ def pretrained(trl_python: str) -> dict:
            "sampling_tokens_per_second_ours": sampling["sampling_tokens_per_second_ours"],
            "sampling_tokens_per_second_generate": sampling["sampling_tokens_per_second_generate"],
            "sampling": sampling, "update_tokens_per_second": update["update_tokens_per_second"],
-           "peak_rss_mb": max(p["peak_rss_mb"] for p in parts if p is not logprobs),
+           "peak_rss_mb": peak,
            "peak_rss_mb_by_part": by_part, "micro_batch": PRE["micro_batch"],
            "parts_in_own_processes": True,
-           "peak_rss_within_goal": max(by_part[k] for k in by_part if k != "token_logprobs")
-                                   <= PRE["peak_rss_goal_mb"],
+           "peak_rss_within_goal": peak <= PRE["peak_rss_goal_mb"],
            "heldout_before_equals_run": statistics.fmean(before["rewards"])
                                         == runs["gspo"]["summary"]["accuracy_before_rl"],
            "heldout_after_equals_run": all(statistics.fmean(r["rewards"])
@@ -560,8 +561,7 @@ def redraw(path: str | None = None) -> None:
         r["variance_slopes_by_range"] = slopes_by_range(r["measurement"])
     except (OSError, ValueError, KeyError, TypeError, IndexError) as err:
         fail(f"cannot redraw from {path}: {type(err).__name__}: {err}".splitlines()[0])
-    with open(path, "w") as f:
-        json.dump(r, f, indent=2, allow_nan=False)
+    rewrite_json(path, r)
     plot_pretrained(r)
 
 
