@@ -68,10 +68,10 @@ pretrained-seeds: $(STAMP_PRE) $(STAMP_TRL)  ## SmolLM2-135M-Instruct: GSPO and 
 verify: $(STAMP)  ## the papers' predictions measured on runs/train (trains first if missing)
 	$(PY) studies/verify.py
 
-figures: $(STAMP)  ## the runs the plots need, then the PNGs in figures/ (about 17 min on 2 cores)
+figures: $(STAMP)  ## the runs the plots need, then the PNGs in figures/ (about 31 min on 2 cores, make train and make verify included)
 	$(PY) studies/figures.py
 
-figures-family: $(STAMP)  ## every relative of GSPO and GSPO and GRPO on add2, 3 seeds: figures/family.json and PNGs (about 21 min)
+figures-family: $(STAMP)  ## every relative of GSPO and GSPO and GRPO on add2, 3 seeds: figures/family.json and PNGs (about 32 min)
 	$(PY) studies/family.py
 
 figures-long: $(STAMP)  ## long answers (--task addwork): GSPO, GSPO-token, GRPO, the aggregation trap, 8 minibatches, the control, 3 seeds; variance on natural answers: figures/long.json and PNGs

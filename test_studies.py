@@ -1056,6 +1056,27 @@ def test_figures_json_groups_and_verify_part_agree_with_its_runs():
     assert v["equivalence_max_rel_err_float64"] < 1e-12 < v["equivalence_max_rel_err_float32"] < 1e-4
 
 
+def test_map_json_pilot_came_from_the_earlier_figures_json():
+    """map.json's pilot was taken before the map ran, from the figures.json of its day, kept as
+    figures_earlier_runs.json (results.md's notes); the current figures.json's runs were all made
+    afresh, and the rule applied to them is what `python studies/map.py pilot` prints."""
+    earlier, pilot = committed("figures_earlier_runs.json"), committed("map.json")["pilot"]
+    acc = {r["name"]: r["accuracy_after_rl"] for r in earlier["runs"]}
+    assert pilot["figures_json_commit"] == earlier["measured_at_commit"]
+    assert pilot["differences_by_seed"] == {str(s): acc[f"gspo_s{s}"] - acc[f"grpo_s{s}"] for s in common.SEEDS}
+    assert committed("figures.json")["runs_reused"] == [] and len(earlier["runs_reused"]) == len(earlier["runs"])
+
+
+def test_family_json_baselines_are_figures_json_runs_made_again():
+    """results.md's relatives row: make figures-family's GSPO and GRPO runs equal make figures' own."""
+    fig = {r["name"]: r for r in committed("figures.json")["runs"]}
+    for r in committed("family.json")["runs"]:
+        if r["loss"] in ("gspo", "grpo"):
+            twin = fig[r["name"]]
+            assert (r["accuracy_before_rl"], r["accuracy_after_rl"], r["settings"]) == (
+                twin["accuracy_before_rl"], twin["accuracy_after_rl"], twin["settings"])
+
+
 def test_family_json_per_loss_medians_agree_with_its_runs():
     r = committed("family.json")
     for key in (*PROVENANCE, "task", "steps", "seeds", "runs", "by_loss", "figures_family_seconds", "runs_reused"):

@@ -1,6 +1,6 @@
 """make figures-family: every relative of GSPO on add2, beside GSPO and GRPO, at make figures' settings.
 
-    python studies/family.py     # `make figures-family`: about 21 minutes on 2 cores;
+    python studies/family.py     # `make figures-family`: about 32 minutes on 2 cores;
                                  # figures/family.json, family_accuracy.png, family_clip.png; resumable
 
 Runs GSPO, GRPO, GMPO, SAPO (token and sequence), CISPO, LUSPO and VESPO, each with the script's

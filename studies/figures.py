@@ -1,7 +1,8 @@
 """make figures: the runs the plots need, three seeds each, and the PNGs of figures/.
 
-    python studies/figures.py     # `make figures`: about 17 minutes on 2 cores; figures/figures.json
-                                  # and the PNGs; resumable (a finished run in runs/figures is kept)
+    python studies/figures.py     # `make figures`: about 31 minutes on 2 cores (make train and make
+                                  # verify included), figures/figures.json and the PNGs; resumable
+                                  # (a finished run in runs/figures is kept)
 
 Runs, 200 RL steps each after the script's warm-up, seeds 0, 1, 2, two at a time on one thread each:
 GSPO, GSPO-token and GRPO on the dense model; GSPO and GRPO on the tiny mixture of experts; GSPO with
