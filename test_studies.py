@@ -262,6 +262,34 @@ def test_run_jobs_waits_for_what_a_job_needs_skips_finished_jobs_and_dependents_
     assert not os.path.exists(mark("never")) and "started kept" not in out          # resumed: skipped
 
 
+def test_a_resumed_target_sums_its_own_invocations_not_the_committed_files_seconds(tmp_path, monkeypatch):
+    """The seconds a resumable target reports are those of the invocations that made the runs it
+    holds, kept in a ledger beside them: a result JSON from elsewhere with runs already in runs/
+    (reused from another version, say) adds nothing, and an interrupted invocation still counts."""
+    monkeypatch.chdir(tmp_path)
+    clock = iter([100.0, 130.0, 500.0, 540.0, 560.0, 560.0])
+    monkeypatch.setattr(common.time, "perf_counter", lambda: next(clock))
+    os.makedirs("figures")
+    with open("figures/figures.json", "w") as f:
+        json.dump({"figures_seconds": 996.0}, f)                    # not these runs' invocations
+    os.makedirs("runs/figures/gspo_s0")
+    with open("runs/figures/gspo_s0/summary.json", "w") as f:
+        f.write("{}")
+    assert common.reused_runs([("gspo_s0", []), ("gspo_s1", [])], "runs/figures") == ["gspo_s0"]
+    path = "runs/figures/seconds.json"
+    with pytest.raises(KeyboardInterrupt):                          # the first invocation: Ctrl-C
+        ledger = common.Ledger(path)                                # t0 = 100
+        try:
+            raise KeyboardInterrupt
+        finally:
+            ledger.close()                                          # 30 s counted
+    ledger = common.Ledger(path)                                    # the second: t0 = 500
+    assert ledger.this_invocation() == 40.0 and ledger.total() == 90.0
+    ledger.close()                                                  # still at 560: 30 + 60
+    with open(path) as f:
+        assert json.load(f) == {"seconds": 90.0}
+
+
 def test_figures_long_runs_exactly_the_spec_list_each_from_its_seeds_warm_up():
     runs = dict(long.long_runs())
     assert len(runs) == 24
@@ -685,11 +713,9 @@ def test_golden_summaries_of_figures_family_and_long(study_tree, monkeypatch):
     for name in ("gspo_s0", "control_s2"):
         same_call("read_summary", name)
         same_call("read_metrics", name)
-    os.makedirs("figures", exist_ok=True)
-    with open("figures/figures.json", "w") as f:
-        json.dump({"figures_seconds": 123.5}, f)
-    same_call("reused_runs", old("figure_runs")(), old("FIG_RUNS"), "figures/figures.json", "figures_seconds")
-    same_call("reused_runs", old("family_runs")(), old("FAMILY_RUNS"), "figures/family.json", "x")
+    # reused_runs no longer reads seconds back from the result JSON (test_a_resumed_target_...)
+    assert common.reused_runs(now("figure_runs")(), now("FIG_RUNS")) == old("reused_runs")(
+        old("figure_runs")(), old("FIG_RUNS"), "figures/none.json", "x")[0]
     for done in ("runs/figures/gspo_s0/summary.json", "runs/figures/nothing/summary.json"):
         same_call("finished", done)
 

@@ -489,13 +489,32 @@ def run_all(runs, workers: int = 2, folder: str = FIG_RUNS) -> None:
     run_jobs([script_job(name, args, folder, FIG_STEPS) for name, args in runs], folder, workers)
 
 
-def reused_runs(runs, folder: str, result_json: str, key: str) -> tuple[list[str], float]:
-    """The runs a resumed target keeps, and the seconds its earlier invocations took (from its
-    result JSON), so the target reports its whole time."""
-    reused = [n for n, _ in runs if os.path.exists(os.path.join(folder, n, "summary.json"))]
-    if not (reused and os.path.exists(result_json)):
-        return reused, 0.0
-    return reused, read_json(result_json).get(key, 0.0)
+def reused_runs(runs, folder: str) -> list[str]:
+    """The runs a resumed target finds finished in `folder` and keeps."""
+    return [n for n, _ in runs if os.path.exists(os.path.join(folder, n, "summary.json"))]
+
+
+class Ledger:
+    """The seconds of every invocation of a resumable target, summed in `path`, a file in the runs
+    folder beside the runs they made: this invocation's are added when it ends, however it ends
+    (Ctrl-C included), so the target reports its whole time. Not read back from the committed result
+    JSON: the runs in runs/ may come from other invocations than the ones that wrote it."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self.earlier = read_json(path)["seconds"] if os.path.exists(path) else 0.0
+        self.t0 = time.perf_counter()
+
+    def this_invocation(self) -> float:
+        return time.perf_counter() - self.t0
+
+    def total(self) -> float:
+        return self.earlier + self.this_invocation()
+
+    def close(self) -> None:
+        os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
+        with open(self.path, "w") as f:
+            json.dump({"seconds": self.total()}, f, allow_nan=False)
 
 
 def read_metrics(name: str, folder: str = FIG_RUNS) -> list[dict]:

@@ -16,11 +16,10 @@ from __future__ import annotations
 import os
 import statistics
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # gspo_minimal, studies
 
-from studies.common import (FIG_DIR, FIG_STEPS, SEEDS, STYLE, Parser, accuracy_curves, cli,  # noqa: E402
+from studies.common import (FIG_DIR, FIG_STEPS, SEEDS, STYLE, Ledger, Parser, accuracy_curves, cli,  # noqa: E402
                             read_metrics, reused_runs, run_all, run_record, write_json)
 
 
@@ -113,15 +112,19 @@ def figures_family() -> dict:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    t0 = time.perf_counter()
     os.makedirs(FIG_DIR, exist_ok=True)
     path = os.path.join(FIG_DIR, "family.json")
-    reused, earlier = reused_runs(family_runs(), FAMILY_RUNS, path, "figures_family_seconds")
-    run_all(family_runs(), folder=FAMILY_RUNS)
+    reused = reused_runs(family_runs(), FAMILY_RUNS)
+    ledger = Ledger(os.path.join(FAMILY_RUNS, "seconds.json"))
+    try:
+        run_all(family_runs(), folder=FAMILY_RUNS)
+    finally:
+        ledger.close()
     summary = family_summary()
     summary["runs_reused"] = reused
-    summary["figures_family_seconds_this_invocation"] = time.perf_counter() - t0
-    summary["figures_family_seconds"] = earlier + summary["figures_family_seconds_this_invocation"]
+    summary["figures_family_seconds_this_invocation"] = ledger.this_invocation()
+    summary["figures_family_seconds"] = ledger.total()
+    ledger.close()
     # the numbers first: new PNGs beside them would read as a dirty tree
     write_json(path, summary, "python studies/family.py", summary["figures_family_seconds"])
     plot_family(plt, summary)

@@ -23,7 +23,6 @@ from __future__ import annotations
 import math
 import os
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # gspo_minimal, studies
 
@@ -31,7 +30,7 @@ import torch  # noqa: E402
 
 import gspo_minimal as g  # noqa: E402
 from studies.common import (FIG_DIR, FIG_RUNS, FIG_STEPS, SEEDS, STYLE, Parser, accuracy_curves,  # noqa: E402
-                            cli, read_json, read_metrics, reused_runs, run_all, run_record, variance_panels,
+                            Ledger, cli, read_json, read_metrics, reused_runs, run_all, run_record, variance_panels,
                             write_json)
 from studies.verify import VERIFY_DIR, verify  # noqa: E402
 
@@ -224,15 +223,17 @@ def figures() -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    t0 = time.perf_counter()
     os.makedirs(FIG_RUNS, exist_ok=True)
     os.makedirs(FIG_DIR, exist_ok=True)
-    reused, earlier = reused_runs(figure_runs(), FIG_RUNS, os.path.join(FIG_DIR, "figures.json"),
-                                  "figures_seconds")
-    if not os.path.exists(os.path.join(VERIFY_DIR, "verify.json")):
-        verify()
+    reused = reused_runs(figure_runs(), FIG_RUNS)
+    ledger = Ledger(os.path.join(FIG_RUNS, "seconds.json"))
+    try:
+        if not os.path.exists(os.path.join(VERIFY_DIR, "verify.json")):
+            verify()
+        run_all(figure_runs())
+    finally:
+        ledger.close()
     v = read_json(os.path.join(VERIFY_DIR, "verify.json"))
-    run_all(figure_runs())
 
     for names, title, file in (
             ({loss: [f"{loss}_s{s}" for s in SEEDS] for loss in ("gspo", "gspo-token", "grpo")},
@@ -252,9 +253,10 @@ def figures() -> None:
     plot_control(plt)
     plt.close("all")
     summary = figure_summary()
-    summary["figures_seconds_this_invocation"] = time.perf_counter() - t0
+    summary["figures_seconds_this_invocation"] = ledger.this_invocation()
     summary["runs_reused"] = reused
-    summary["figures_seconds"] = earlier + summary["figures_seconds_this_invocation"]
+    summary["figures_seconds"] = ledger.total()
+    ledger.close()
     summary["verify"] = {k: val for k, val in v.items() if k not in ("log_s_by_minibatch",
                                                                      "variance_by_position",
                                                                      "mean_by_position")}

@@ -23,17 +23,16 @@ import os
 import random
 import statistics
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # gspo_minimal, studies
 
 import torch  # noqa: E402
 
 import gspo_minimal as g  # noqa: E402
-from studies.common import (DEFAULTS, FIG_DIR, SEEDS, STYLE, Parser, big_rollout, binned_variance,  # noqa: E402
-                            cli, fail, loglog_slope, logprobs_in_chunks, one_update, read_metrics,
-                            read_json, read_summary, reused_runs, run_jobs, script_job, variance_panels,
-                            variance_profile, warm_optimizer, warm_start, write_json)
+from studies.common import (DEFAULTS, FIG_DIR, SEEDS, STYLE, Ledger, Parser, big_rollout,  # noqa: E402
+                            binned_variance, cli, fail, loglog_slope, logprobs_in_chunks, one_update,
+                            read_metrics, read_json, read_summary, reused_runs, run_jobs, script_job,
+                            variance_panels, variance_profile, warm_optimizer, warm_start, write_json)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -323,26 +322,29 @@ def figures_long() -> dict:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    t0 = time.perf_counter()
     os.makedirs(FIG_DIR, exist_ok=True)
     path = os.path.join(FIG_DIR, "long.json")
     jobs = long_jobs()
-    reused, earlier = reused_runs([(j["name"], None) for j in jobs[len(SEEDS):]], LONG_RUNS, path,
-                                  "figures_long_seconds")
-    if run_jobs(jobs, LONG_RUNS):              # a run was (re)made: what is computed from them too
-        for cache in ("variance.json", "by_length.json"):
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(os.path.join(LONG_RUNS, cache))
-    print("the variance of log s on natural answers, and each run's accuracy on short and long problems",
-          flush=True)
-    variance = cached(os.path.join(LONG_RUNS, "variance.json"), long_variance)
-    by_length = cached(os.path.join(LONG_RUNS, "by_length.json"), lambda: {
-        name: accuracy_by_length(os.path.join(LONG_RUNS, name, "checkpoint"))
-        for name in [f"warmup_s{seed}" for seed in SEEDS] + [n for n, _ in long_runs()]})
+    reused = reused_runs([(j["name"], None) for j in jobs[len(SEEDS):]], LONG_RUNS)
+    ledger = Ledger(os.path.join(LONG_RUNS, "seconds.json"))
+    try:
+        if run_jobs(jobs, LONG_RUNS):          # a run was (re)made: what is computed from them too
+            for cache in ("variance.json", "by_length.json"):
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(os.path.join(LONG_RUNS, cache))
+        print("the variance of log s on natural answers, and each run's accuracy on short and long "
+              "problems", flush=True)
+        variance = cached(os.path.join(LONG_RUNS, "variance.json"), long_variance)
+        by_length = cached(os.path.join(LONG_RUNS, "by_length.json"), lambda: {
+            name: accuracy_by_length(os.path.join(LONG_RUNS, name, "checkpoint"))
+            for name in [f"warmup_s{seed}" for seed in SEEDS] + [n for n, _ in long_runs()]})
+    finally:
+        ledger.close()
     summary = long_summary(variance, by_length)
     summary["runs_reused"] = reused
-    summary["figures_long_seconds_this_invocation"] = time.perf_counter() - t0
-    summary["figures_long_seconds"] = earlier + summary["figures_long_seconds_this_invocation"]
+    summary["figures_long_seconds_this_invocation"] = ledger.this_invocation()
+    summary["figures_long_seconds"] = ledger.total()
+    ledger.close()
     write_json(path, summary, "python studies/long.py", summary["figures_long_seconds"])
     plot_long(plt, summary)
     plt.close("all")

@@ -34,8 +34,9 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # gspo_minimal, studies
 
-from studies.common import (FIG_DIR, FIG_STEPS, SEEDS, Parser, cli, fail, read_json, read_metrics,  # noqa: E402
-                            read_summary, rewrite_json, run_jobs, script_job, warm_start, write_json)
+from studies.common import (FIG_DIR, FIG_STEPS, SEEDS, Ledger, Parser, cli, fail, read_json,  # noqa: E402
+                            read_metrics, read_summary, rewrite_json, run_jobs, script_job, warm_start,
+                            write_json)
 from studies.long import LONG_STEPS, warm_dir as long_warm_dir  # noqa: E402
 
 MAP_RUNS = "runs/map"
@@ -372,24 +373,6 @@ def write_design() -> dict:
     return record
 
 
-class Ledger:
-    """The seconds of every invocation of one phase, summed in runs/map/<phase>_seconds.json, this
-    one's added when it ends, however it ends."""
-
-    def __init__(self, phase: str):
-        self.path = os.path.join(MAP_RUNS, f"{phase}_seconds.json")
-        self.earlier = read_json(self.path)["seconds"] if os.path.exists(self.path) else 0.0
-        self.t0 = time.perf_counter()
-
-    def total(self) -> float:
-        return self.earlier + time.perf_counter() - self.t0
-
-    def close(self) -> None:
-        os.makedirs(MAP_RUNS, exist_ok=True)
-        with open(self.path, "w") as f:
-            json.dump({"seconds": self.total()}, f, allow_nan=False)
-
-
 def collect(cells, seeds, confirm: bool = False) -> tuple[list[dict], dict]:
     """The records of every finished run of `cells` x `seeds` (and their second streams), and the
     test accuracies the rule reads."""
@@ -441,7 +424,7 @@ def figures_map(confirm: bool = False) -> dict:
     d = fixed_design()
     record = write_design()
     fraction = d["step_fraction"]
-    ledger = Ledger("confirm" if confirm else "first_phase")
+    ledger = Ledger(os.path.join(MAP_RUNS, ("confirm" if confirm else "first_phase") + "_seconds.json"))
     try:
         if not confirm:
             jobs = [warmup_job(m, s) for m in MODELS for s in SEEDS]
