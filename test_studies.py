@@ -275,7 +275,10 @@ def test_a_resumed_target_sums_its_own_invocations_not_the_committed_files_secon
     os.makedirs("runs/figures/gspo_s0")
     with open("runs/figures/gspo_s0/summary.json", "w") as f:
         f.write("{}")
-    assert common.reused_runs([("gspo_s0", []), ("gspo_s1", [])], "runs/figures") == ["gspo_s0"]
+    os.makedirs("runs/figures/gspo_s2")
+    with open("runs/figures/gspo_s2/summary.json", "w") as f:
+        json.dump({"interrupted": True}, f)                         # a Ctrl-C'd run is made again
+    assert common.reused_runs([("gspo_s0", []), ("gspo_s1", []), ("gspo_s2", [])], "runs/figures") == ["gspo_s0"]
     path = "runs/figures/seconds.json"
     with pytest.raises(KeyboardInterrupt):                          # the first invocation: Ctrl-C
         ledger = common.Ledger(path)                                # t0 = 100

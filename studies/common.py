@@ -490,8 +490,8 @@ def run_all(runs, workers: int = 2, folder: str = FIG_RUNS) -> None:
 
 
 def reused_runs(runs, folder: str) -> list[str]:
-    """The runs a resumed target finds finished in `folder` and keeps."""
-    return [n for n, _ in runs if os.path.exists(os.path.join(folder, n, "summary.json"))]
+    """The runs a resumed target finds finished in `folder` and keeps (a Ctrl-C'd one is made again)."""
+    return [n for n, _ in runs if finished(os.path.join(folder, n, "summary.json"))]
 
 
 class Ledger:
