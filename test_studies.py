@@ -267,7 +267,7 @@ def test_a_resumed_target_sums_its_own_invocations_not_the_committed_files_secon
     holds, kept in a ledger beside them: a result JSON from elsewhere with runs already in runs/
     (reused from another version, say) adds nothing, and an interrupted invocation still counts."""
     monkeypatch.chdir(tmp_path)
-    clock = iter([100.0, 130.0, 500.0, 540.0, 560.0, 560.0])
+    clock = iter([100.0, 130.0, 500.0, 540.0, 560.0, 560.0, 560.0, 560.0])
     monkeypatch.setattr(common.time, "perf_counter", lambda: next(clock))
     os.makedirs("figures")
     with open("figures/figures.json", "w") as f:
@@ -288,7 +288,9 @@ def test_a_resumed_target_sums_its_own_invocations_not_the_committed_files_secon
             ledger.close()                                          # 30 s counted
     ledger = common.Ledger(path)                                    # the second: t0 = 500
     assert ledger.this_invocation() == 40.0 and ledger.total() == 90.0
-    ledger.close()                                                  # still at 560: 30 + 60
+    summary = {}
+    ledger.record(summary, "figures_seconds")                       # still at 560: 30 + 60
+    assert summary == {"figures_seconds_this_invocation": 60.0, "figures_seconds": 90.0}
     with open(path) as f:
         assert json.load(f) == {"seconds": 90.0}
 

@@ -516,6 +516,13 @@ class Ledger:
         with open(self.path, "w") as f:
             json.dump({"seconds": self.total()}, f, allow_nan=False)
 
+    def record(self, summary: dict, key: str) -> None:
+        """`key` (every invocation) and `key`_this_invocation into the target's summary, and the
+        ledger closed with them."""
+        summary[key + "_this_invocation"] = self.this_invocation()
+        summary[key] = self.total()
+        self.close()
+
 
 def read_metrics(name: str, folder: str = FIG_RUNS) -> list[dict]:
     with open(os.path.join(folder, name, "metrics.jsonl")) as f:

@@ -122,9 +122,7 @@ def figures_family() -> dict:
         ledger.close()
     summary = family_summary()
     summary["runs_reused"] = reused
-    summary["figures_family_seconds_this_invocation"] = ledger.this_invocation()
-    summary["figures_family_seconds"] = ledger.total()
-    ledger.close()
+    ledger.record(summary, "figures_family_seconds")
     # the numbers first: new PNGs beside them would read as a dirty tree
     write_json(path, summary, "python studies/family.py", summary["figures_family_seconds"])
     plot_family(plt, summary)

@@ -253,10 +253,8 @@ def figures() -> None:
     plot_control(plt)
     plt.close("all")
     summary = figure_summary()
-    summary["figures_seconds_this_invocation"] = ledger.this_invocation()
     summary["runs_reused"] = reused
-    summary["figures_seconds"] = ledger.total()
-    ledger.close()
+    ledger.record(summary, "figures_seconds")
     summary["verify"] = {k: val for k, val in v.items() if k not in ("log_s_by_minibatch",
                                                                      "variance_by_position",
                                                                      "mean_by_position")}

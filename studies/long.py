@@ -342,9 +342,7 @@ def figures_long() -> dict:
         ledger.close()
     summary = long_summary(variance, by_length)
     summary["runs_reused"] = reused
-    summary["figures_long_seconds_this_invocation"] = ledger.this_invocation()
-    summary["figures_long_seconds"] = ledger.total()
-    ledger.close()
+    ledger.record(summary, "figures_long_seconds")
     write_json(path, summary, "python studies/long.py", summary["figures_long_seconds"])
     plot_long(plt, summary)
     plt.close("all")
