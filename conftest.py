@@ -19,7 +19,7 @@ import gspo_minimal as g  # noqa: E402
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 # `ci`: derandomized, so a CI failure reproduces exactly; `thorough`: many more examples.
-settings.register_profile("ci", derandomize=True, max_examples=75, deadline=None,
+settings.register_profile("ci", derandomize=True, max_examples=50, deadline=None,
                           print_blob=True, suppress_health_check=[HealthCheck.too_slow])
 settings.register_profile("thorough", max_examples=2000, deadline=None, print_blob=True,
                           suppress_health_check=[HealthCheck.too_slow])
@@ -48,7 +48,7 @@ def pytest_sessionfinish(session, exitstatus):
 
 # --- the tiny runs the behaviour tests and the studies' tests share --------------------------------
 # Small enough to run in seconds, large enough to exercise every stage (warm-up, RL, evaluation).
-TINY = ["--steps", "4", "--warmup-max-steps", "20", "--val-size", "40", "--test-size", "40",
+TINY = ["--steps", "4", "--warmup-max-steps", "20", "--warmup-batch", "16", "--val-size", "40", "--test-size", "40",
         "--prompts-per-step", "4", "--group-size", "4", "--minibatches", "2", "--eval-every", "2"]
 TINY_ADDWORK = ["--task", "addwork", "--steps", "2", "--warmup-max-steps", "5", "--warmup-batch", "8",
                 "--val-size", "16", "--test-size", "16", "--prompts-per-step", "2", "--group-size", "4",

@@ -1609,6 +1609,7 @@ class Run:
         self.given = os.path.normpath(out)       # as the user wrote it, for messages
         self.t_start = time.perf_counter() if t_start is None else t_start
         self.command = command
+        self.tree = tree_state()                # the commit and tracked tree as the run starts
         problem = out_problem(self.out, check_lock=False)
         if problem:
             raise RuntimeError(problem)
@@ -1660,7 +1661,7 @@ class Run:
 
     def write_summary(self, summary: dict) -> None:
         """summary.json, with the keys every JSON of this project carries (`provenance`)."""
-        summary = {**summary, **provenance(self.command, summary.get("wall_seconds"))}
+        summary = {**summary, **provenance(self.command, summary.get("wall_seconds"), self.tree)}
         tmp = os.path.join(self.dir, "summary.json.tmp")
         with open(tmp, "w") as f:    # every number in it is finite by construction: a NaN here
             json.dump(summary, f, indent=2, allow_nan=False)   # is a bug, and fails here
@@ -1686,31 +1687,110 @@ def diverged_line(summary: dict, run: Run) -> str:
             f"{where}/summary.json says so")
 
 
-def provenance(command: str, seconds: float | None) -> dict:
-    """command, seconds, measured_at_commit (+ dirty), versions, threads: what made a result."""
+# --- Provenance: what made a result (the commit, the tree, the host) --------------------------
+# On one host a run repeats bit for bit; another CPU or thread count gives other numbers. torch
+# picks its CPU kernels by instruction set (AVX2, AVX-512, AMX) and splits reductions by thread
+# count, so float32 moves in its last bits, and the warm-up's stop rule (checked every 20 steps) or
+# one flipped sampled token turns that into another run. So every result names its host.
+CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_tile", "fma", "f16c")
+KERNEL_ENV_PREFIXES = ("OMP_", "MKL_", "KMP_", "MALLOC_", "ATEN_CPU_CAPABILITY")
+
+
+def cpu_description() -> dict:
+    """The CPU as Linux describes it (/proc/cpuinfo, sysfs caches); None where a field is unknown."""
+    info: dict[str, str] = {}
+    with contextlib.suppress(OSError):
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if not line.strip():
+                    break                                  # the first processor is enough
+                key, _, value = line.partition(":")
+                info[key.strip()] = value.strip()
+    caches = {}
+    for index in range(8):
+        base = f"/sys/devices/system/cpu/cpu0/cache/index{index}"
+        with contextlib.suppress(OSError):
+            with open(f"{base}/level") as level, open(f"{base}/size") as size:
+                caches[f"l{level.read().strip()}"] = size.read().strip()
+    flags = set(info.get("flags", "").split())
     import platform
-    import subprocess
+    return {"model_name": info.get("model name") or platform.processor() or None,
+            "vendor": info.get("vendor_id"), "family": info.get("cpu family"),
+            "model": info.get("model"), "stepping": info.get("stepping"),
+            "l2_cache": caches.get("l2"), "l3_cache": caches.get("l3"),
+            "flags": {flag: flag in flags for flag in CPU_FLAGS} if flags else None}
 
-    import transformers
-    here = os.path.dirname(os.path.abspath(__file__))
 
-    def git(*args):
-        try:
-            return subprocess.run(["git", "-C", here, *args], capture_output=True, text=True,
-                                  timeout=10).stdout.strip()
-        except (OSError, subprocess.SubprocessError):
-            return ""
-    versions = {"python": platform.python_version(), "torch": torch.__version__,
-                "transformers": transformers.__version__}
-    for extra in ("trl", "gguf"):
-        if extra in sys.modules:
-            import importlib.metadata
-            versions[extra] = importlib.metadata.version(extra)
-    out = {"command": command, "seconds": seconds, "measured_at_commit": git("rev-parse", "HEAD") or None,
-           "versions": versions, "threads": torch.get_num_threads()}
-    if out["measured_at_commit"] and git("status", "--porcelain"):
-        out["dirty"] = True
+def versions() -> dict:
+    """python, torch, and transformers, trl and gguf where installed (read from the environment's
+    package metadata, whether or not this process imported them, so that two processes of one
+    environment always agree)."""
+    import importlib.metadata
+    import platform
+    out = {"python": platform.python_version(), "torch": torch.__version__}
+    for name in ("transformers", "trl", "gguf"):
+        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+            out[name] = importlib.metadata.version(name)
     return out
+
+
+def host_fingerprint(threads: int | None = None, env: typing.Mapping[str, str] | None = None) -> dict:
+    """What, beside the code and the seed, decides a run's numbers: the CPU (model, instruction-set
+    flags, caches), the kernels torch picked for it, its parallel backend and thread count, the
+    environment variables that steer kernels or allocation, the CUDA device where one was used,
+    and the versions. `threads` and `env` default to this process's own; a study passes a child
+    run's to predict the fingerprint that child will record."""
+    env = os.environ if env is None else env
+    backend = next((line.split(":", 1)[1].strip() for line in torch.__config__.parallel_info().splitlines()
+                    if line.startswith("ATen parallel backend")), None)
+    cuda = (torch.cuda.get_device_name(torch.cuda.current_device())
+            if torch.cuda.is_available() and torch.cuda.is_initialized() else None)
+    return {"cpu": cpu_description(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "parallel_backend": backend, "threads": torch.get_num_threads() if threads is None else threads,
+            "env": {k: env[k] for k in sorted(env) if k.startswith(KERNEL_ENV_PREFIXES)},
+            "cuda_device": cuda, "versions": versions()}
+
+
+def host_differences(recorded, expected: dict, where: str = "") -> list[str]:
+    """The fields in which two host fingerprints differ ("cpu.flags.avx512f: True here, False
+    there"), recursing into nested fields; [] when they are equal field by field."""
+    if isinstance(recorded, dict) and isinstance(expected, dict):
+        return [d for k in sorted(set(recorded) | set(expected))
+                for d in host_differences(recorded.get(k), expected.get(k), f"{where}.{k}" if where else k)]
+    return [] if recorded == expected else [f"{where or 'host'}: {expected!r} here, {recorded!r} there"]
+
+
+def tree_state(exclude: typing.Iterable[str] = (), repo: str | None = None) -> dict:
+    """measured_at_commit (HEAD), and whether the tracked tree differed from it (`dirty`) in which
+    paths (`dirty_paths`, from the repository root), leaving out `exclude` (the files the target
+    itself writes). Untracked files do not count. `repo`: this file's checkout unless given.
+    Outside a git checkout: all three None."""
+    import subprocess
+    here = repo or os.path.dirname(os.path.abspath(__file__))
+
+    def git(*args) -> str | None:
+        try:
+            res = subprocess.run(["git", "-C", here, *args], capture_output=True, text=True, timeout=10)
+        except (OSError, subprocess.SubprocessError):
+            return None
+        return res.stdout if res.returncode == 0 else None
+    head = (git("rev-parse", "HEAD") or "").strip()
+    status = git("status", "--porcelain", "--untracked-files=no")
+    if not head or status is None:
+        return {"measured_at_commit": None, "dirty": None, "dirty_paths": None}
+    skip = {os.path.normpath(p) for p in exclude}
+    paths = sorted({os.path.normpath(line[3:].split(" -> ")[-1].strip('"'))
+                    for line in status.splitlines() if line.strip()} - skip)
+    return {"measured_at_commit": head, "dirty": bool(paths), "dirty_paths": paths}
+
+
+def provenance(command: str, seconds: float | None, tree: dict | None = None) -> dict:
+    """The keys every JSON of the project carries: command, seconds, the tree it was made from
+    (`tree_state`, taken when the run or target started; now, if not given), versions, threads and
+    the host."""
+    host = host_fingerprint()
+    return {"command": command, "seconds": seconds, **(tree or tree_state()),
+            "versions": host["versions"], "threads": host["threads"], "host": host}
 
 
 # --- A diverged run: a non-finite loss or gradient stops it before the update is taken ----------
@@ -1835,7 +1915,15 @@ def build_parser(cls=Config) -> argparse.ArgumentParser:
 
 
 def parse_config(argv: list[str] | None = None, cls=Config) -> Config:
-    """The flags given, over the task's own defaults (TASK_DEFAULTS), over the dataclass's."""
+    """The flags given, over the task's own defaults (TASK_DEFAULTS), over the dataclass's; checked."""
+    cfg = settings_of(argv, cls)
+    validate(cfg)
+    return cfg
+
+
+def settings_of(argv: list[str] | None = None, cls=Config) -> Config:
+    """parse_config without the checks that look at the disk and the ranges (`validate`): the
+    settings a command line gives, for comparing a finished run's with a job's."""
     unset = object()          # argparse fills in a default only where the namespace has no value yet
     blank = argparse.Namespace(**{f.name: unset for f in dataclasses.fields(cls)})
     ns = build_parser(cls).parse_args(argv, blank)
@@ -1847,9 +1935,7 @@ def parse_config(argv: list[str] | None = None, cls=Config) -> Config:
                        "or from your file")
     if "reward" in given and "data" not in given:
         raise BadInput("--reward is --data's; each --task has a reward of its own (see --help)")
-    cfg = cls(**{**TASK_DEFAULTS.get(given.get("task", cls.task), {}), **given})
-    validate(cfg)
-    return cfg
+    return cls(**{**TASK_DEFAULTS.get(given.get("task", cls.task), {}), **given})
 
 
 # The range of every numeric flag but the clip widths (theirs depends on the loss), checked before

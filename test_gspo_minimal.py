@@ -40,6 +40,82 @@ def test_tiny_run_writes_summary_with_the_spec_keys(tiny_run):
         assert key in summary, key
     assert summary["command"].startswith("python gspo_minimal.py --steps 4")
     assert {"python", "torch", "transformers"} <= set(summary["versions"])
+    assert isinstance(summary["dirty"], bool) and summary["dirty"] == bool(summary["dirty_paths"])
+
+
+def test_every_run_records_the_host_that_made_it(tiny_run):
+    """The fields that decide a run's last bits beside its code and seed: the CPU, its kernel-relevant
+    instruction sets, the kernels torch picked, the thread count, the steering variables, versions."""
+    _, summary = tiny_run
+    host = summary["host"]
+    assert set(host) == {"cpu", "cpu_capability", "parallel_backend", "threads", "env", "cuda_device", "versions"}
+    assert set(host["cpu"]) == {"model_name", "vendor", "family", "model", "stepping", "l2_cache", "l3_cache", "flags"}
+    if host["cpu"]["flags"] is not None:                                  # Linux: /proc/cpuinfo
+        assert set(host["cpu"]["flags"]) == set(g.CPU_FLAGS)
+    assert host["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
+    assert host["threads"] == summary["threads"] and host["versions"] == summary["versions"]
+    assert host["cuda_device"] is None                                     # a CPU run
+    assert all(k.startswith(g.KERNEL_ENV_PREFIXES) for k in host["env"])
+    assert g.host_differences(host, json.loads(json.dumps(g.host_fingerprint(summary["threads"])))) == []
+
+
+def test_host_differences_name_each_field_that_differs():
+    a = {"cpu": {"flags": {"avx2": True, "avx512f": True}}, "threads": 1, "env": {}}
+    b = {"cpu": {"flags": {"avx2": True, "avx512f": False}}, "threads": 2, "env": {"OMP_NUM_THREADS": "1"}}
+    assert g.host_differences(a, a) == []
+    assert g.host_differences(b, a) == ["cpu.flags.avx512f: True here, False there",
+                                        "env.OMP_NUM_THREADS: None here, '1' there", "threads: 1 here, 2 there"]
+
+
+def test_the_tree_state_lists_what_differs_from_head_less_the_targets_own_outputs(tmp_path):
+    git = lambda *a: subprocess.run(["git", "-C", str(tmp_path), *a], check=True, capture_output=True)
+    git("init", "-q")
+    os.makedirs(tmp_path / "figures")
+    for name in ("code.py", "figures/result.json", "figures/plot.png"):
+        (tmp_path / name).write_text("1")
+    git("add", ".")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "first")
+    head = subprocess.run(["git", "-C", str(tmp_path), "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    assert g.tree_state(repo=str(tmp_path)) == {"measured_at_commit": head, "dirty": False, "dirty_paths": []}
+    (tmp_path / "figures" / "plot.png").write_text("2")                 # the target wrote its PNG first
+    (tmp_path / "untracked.txt").write_text("not counted")
+    own = ["figures/result.json", "figures/plot.png"]
+    assert g.tree_state(own, repo=str(tmp_path))["dirty"] is False
+    (tmp_path / "code.py").write_text("2")
+    assert g.tree_state(own, repo=str(tmp_path)) == {"measured_at_commit": head, "dirty": True,
+                                                     "dirty_paths": ["code.py"]}
+    assert g.tree_state(repo=str(tmp_path))["dirty_paths"] == ["code.py", "figures/plot.png"]
+    assert g.tree_state(repo=str(tmp_path / "figures" / "nowhere")) == {
+        "measured_at_commit": None, "dirty": None, "dirty_paths": None}
+
+
+# The same command on the same host, software and --threads gives the same run, line for line.
+REPEAT = ["--steps", "2", "--warmup-max-steps", "4", "--warmup-batch", "8", "--val-size", "8", "--test-size", "8", "--prompts-per-step", "2",
+          "--group-size", "4", "--minibatches", "2", "--eval-every", "1", "--threads", "1", "--seed", "5"]
+
+
+def without_timings(record):
+    """A record less what measures time (seconds, rates, elapsed) and where it was written."""
+    if isinstance(record, dict):
+        return {k: without_timings(v) for k, v in record.items()
+                if not any(t in k for t in ("seconds", "per_second", "elapsed")) and k not in ("command", "out")}
+    return record
+
+
+def test_the_same_command_twice_gives_the_same_metrics_timings_aside(tmp_path):
+    runs = []
+    for name in ("first", "second"):
+        out = str(tmp_path / name)
+        assert g.main([*REPEAT, "--out", out]) == 0
+        with open(os.path.join(out, "metrics.jsonl")) as f, open(os.path.join(out, "summary.json")) as s:
+            runs.append(([without_timings(json.loads(line)) for line in f], without_timings(json.load(s))))
+    (metrics_a, summary_a), (metrics_b, summary_b) = runs
+    assert [r["step"] for r in metrics_a if r["stage"] == "rl"] == [1, 2]
+    for a, b in zip(metrics_a, metrics_b):
+        assert a == b, (a, b)
+    assert len(metrics_a) == len(metrics_b) and summary_a == summary_b
+    weights = [(tmp_path / name / "checkpoint" / "model.safetensors").read_bytes() for name in ("first", "second")]
+    assert weights[0] == weights[1]                                       # the final weights, bit for bit
 
 
 def test_progress_line_uses_the_metric_names(tiny_run, capsys):
@@ -129,7 +205,9 @@ def test_model_flag_trains_a_local_save_pretrained_folder(tiny_run, tmp_path, ca
         assert json.load(f)["rl_steps"] == 2
 
 
-@pytest.mark.parametrize("loss", [name for name in g.LOSSES if name != "gspo"])
+# GSPO-token and GRPO in make test; the relatives, seconds together, in make test-thorough
+@pytest.mark.parametrize("loss", [name if name in ("gspo-token", "grpo") else pytest.param(name, marks=pytest.mark.thorough)
+                                  for name in g.LOSSES if name != "gspo"])
 def test_every_loss_trains_and_uses_its_own_clip_defaults(loss, tiny_run, tmp_path):
     start = os.path.join(tiny_run[0], "checkpoint")           # already warmed up: RL steps only
     assert g.main(TINY + ["--steps", "2", "--loss", loss, "--model", start, "--warmup-max-steps", "0",
@@ -175,6 +253,7 @@ def test_relatives_count_their_clips_and_gates_in_the_scripts_units():
     assert off["n_gate_tokens"] == ((weight < 0.5) & mask).sum().item() > 0
 
 
+@pytest.mark.thorough          # seconds long: make test-thorough (make test's time budget)
 def test_moe_model_trains_a_few_steps(tmp_path, capsys):
     code, cap = run_main(TINY + ["--steps", "2", "--warmup-max-steps", "2", "--moe", "--out",
                                  str(tmp_path / "moe")], capsys)
@@ -614,6 +693,7 @@ def test_ctrl_c_during_the_final_evaluation_and_the_final_writes_still_ends_with
 
 
 # --- pieces of the script ------------------------------------------------------------------------
+@pytest.mark.thorough          # seconds long: make test-thorough (make test's time budget)
 def test_import_is_silent_and_has_no_side_effects():
     code = ("import torch; s = torch.random.get_rng_state().clone(); import gspo_minimal; "
             "assert torch.equal(s, torch.random.get_rng_state())")
@@ -1018,6 +1098,7 @@ MICRO_CASES = [(loss, "paper") for loss in g.LOSSES] + [(loss, agg) for loss in 
                                                         for agg in ("dapo", "dr_grpo")]
 
 
+@pytest.mark.thorough          # seconds long: make test-thorough (make test's time budget)
 def test_micro_batches_give_the_one_pass_update():
     """--micro-batch 4 (whole groups, prompt once) and 3 (rows, one full pass each) against one pass
     over each minibatch of 12 rows by the same route (0: prompt once; 25, more than the rows and not

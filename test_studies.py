@@ -11,6 +11,7 @@ import re
 import shutil
 import subprocess
 import sys
+from unittest import mock
 
 import pytest
 import torch
@@ -212,6 +213,7 @@ def test_paired_bootstrap_of_a_constant_gain_is_that_gain():
     assert lo == hi == 1.0
 
 
+@pytest.mark.thorough          # seconds long: make test-thorough (make test's time budget)
 def test_the_pretrained_measurement_runs_end_to_end_on_a_tiny_bpe_model(bpe_tokenizer, monkeypatch):
     monkeypatch.setitem(pretrained.PRE, "word_prompts", 8)
     monkeypatch.setitem(pretrained.PRE, "clip_prompts", 4)
@@ -247,8 +249,8 @@ def test_answer_forms_counts_openings_with_numbers_written_n(bpe_tokenizer):
 def test_run_jobs_waits_for_what_a_job_needs_skips_finished_jobs_and_dependents_of_failures(tmp_path, capsys):
     mark = lambda name: str(tmp_path / name)
     touch = lambda name, code=0: [sys.executable, "-c", f"open({mark(name)!r}, 'w').write('{{}}'); raise SystemExit({code})"]
-    with open(mark("done_before"), "w") as f:
-        f.write("{}")
+    with open(mark("done_before"), "w") as f:          # made here, as a child of run_jobs would be
+        json.dump({"host": g.host_fingerprint(1, {**os.environ, **common.CHILD_ENV})}, f)
     jobs = [{"name": "a", "cmd": touch("a"), "done": mark("a"), "needs": None},
             {"name": "b", "cmd": touch("b"), "done": mark("b"), "needs": mark("a")},
             {"name": "bad", "cmd": touch("bad", 1), "done": mark("bad_done"), "needs": None},
@@ -260,6 +262,78 @@ def test_run_jobs_waits_for_what_a_job_needs_skips_finished_jobs_and_dependents_
     assert os.path.exists(mark("a")) and os.path.exists(mark("b")) and os.path.exists(mark("bad"))
     assert not os.path.exists(mark("after_bad")) and "skipped after_bad" in out
     assert not os.path.exists(mark("never")) and "started kept" not in out          # resumed: skipped
+
+
+def test_a_run_made_on_another_host_or_with_other_settings_is_made_again_and_so_is_what_starts_from_it(tmp_path, capsys):
+    """A resumable target keeps a finished run only when the host it records equals, field by field,
+    the one this invocation's child would record (one thread, run_jobs' environment), and its
+    settings equal the job's; otherwise it is made again, with one line saying why, and so is every
+    job that starts from it."""
+    here = g.host_fingerprint(1, {**os.environ, **common.CHILD_ENV})
+    job = lambda name, needs=None: {**common.script_job(name, ["--seed", "3"], str(tmp_path), 7), "needs": needs}
+
+    def leave(name, host, **config_changes):
+        os.makedirs(tmp_path / name, exist_ok=True)
+        config = {**common.job_config(job(name)), **config_changes}
+        with open(tmp_path / name / "summary.json", "w") as f:
+            json.dump({"interrupted": False, "host": host, "config": config}, f)
+    other_cpu = copy.deepcopy(here)
+    other_cpu["cpu_capability"], other_cpu["cpu"]["flags"]["avx512f"] = "AVX2", not here["cpu"]["flags"]["avx512f"]
+    leave("same", here)
+    leave("other_host", other_cpu)
+    leave("two_threads", {**here, "threads": 2})
+    leave("other_lr", here, lr=1e-3)
+    leave("no_host", None)
+    leave("after_other_host", here)
+    assert common.reuse_problem(job("same")) is None
+    why = common.reuse_problem(job("other_host"))
+    assert why.startswith("made on another host") and "cpu_capability: " in why and "cpu.flags.avx512f" in why
+    assert common.reuse_problem(job("two_threads")) == "made on another host (threads: 1 here, 2 there)"
+    assert common.reuse_problem(job("other_lr")) == "made with other settings (lr)"
+    assert "records no host" in common.reuse_problem(job("no_host"))
+    assert common.reuse_problem(job("missing")) == "not finished"
+    jobs = [job(n) for n in ("same", "other_host", "two_threads", "other_lr", "no_host")]
+    jobs.append(job("after_other_host", needs=jobs[1]["done"]))
+    remake = common.jobs_to_run(jobs)
+    assert set(remake) == {"other_host", "two_threads", "other_lr", "no_host", "after_other_host"}
+    assert remake["after_other_host"] == "what it starts from is made again"
+    assert common.reused_runs(jobs) == ["same"]
+    # run_jobs says why in one line and makes the run again; the one made here is kept
+    touch = lambda name: [sys.executable, "-c", f"open({str(tmp_path / name / 'summary.json')!r}, 'w').write('{{}}')"]
+    assert common.run_jobs([{**j, "cmd": touch(j["name"])} for j in jobs[:2]], str(tmp_path / "logs"), poll=0.05) == 1
+    out = capsys.readouterr().out
+    assert "other_host: made again: made on another host (" in out and "started other_host" in out
+    assert "started same" not in out
+
+
+def test_a_target_takes_its_tree_once_as_it_starts_leaving_out_its_own_outputs(tmp_path, monkeypatch):
+    """`cli` asks tree_state once, with the module's OUTPUTS left out; every result file the
+    target writes then records that one state, whatever the target changed on its way."""
+    import types
+    seen = []
+    monkeypatch.setattr(g, "tree_state", lambda exclude=(), repo=None: seen.append(tuple(exclude)) or
+                        {"measured_at_commit": "c0ffee", "dirty": False, "dirty_paths": []})
+    module = types.ModuleType("fake_study")
+    module.__file__ = os.path.join(HERE, "studies", "fake_study.py")
+    sys.modules["fake_study"] = module
+    try:
+        code = ("OUTPUTS = ('figures/fake.json', 'figures/fake.png')\n"
+                "def main(argv=None):\n"
+                "    write_json(PATH + '/a.json', {'x': 1}, 'python studies/fake_study.py', 1.0)\n"
+                "    write_json(PATH + '/b.json', {'x': 2}, 'python studies/fake_study.py', 2.0)\n"
+                "    return 0\n")
+        module.__dict__.update(write_json=common.write_json, PATH=str(tmp_path))
+        exec(compile(code, module.__file__, "exec"), module.__dict__)
+        assert common.cli(module.main)([]) == 0
+    finally:
+        del sys.modules["fake_study"]
+    assert seen == [("figures/fake.json", "figures/fake.png")]          # once, at the start
+    for name in ("a", "b"):
+        with open(tmp_path / f"{name}.json") as f:
+            record = json.load(f)
+        assert record["measured_at_commit"] == "c0ffee" and record["dirty"] is False and record["dirty_paths"] == []
+        assert record["host"]["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
+    assert common.target_tree is None                                    # restored after the target
 
 
 def test_a_resumed_target_sums_its_own_invocations_not_the_committed_files_seconds(tmp_path, monkeypatch):
@@ -278,7 +352,11 @@ def test_a_resumed_target_sums_its_own_invocations_not_the_committed_files_secon
     os.makedirs("runs/figures/gspo_s2")
     with open("runs/figures/gspo_s2/summary.json", "w") as f:
         json.dump({"interrupted": True}, f)                         # a Ctrl-C'd run is made again
-    assert common.reused_runs([("gspo_s0", []), ("gspo_s1", []), ("gspo_s2", [])], "runs/figures") == ["gspo_s0"]
+    here = g.host_fingerprint(1, {**os.environ, **common.CHILD_ENV})
+    with open("runs/figures/gspo_s0/summary.json", "w") as f:
+        json.dump({"host": here, "config": common.job_config(common.script_job("gspo_s0", [], "runs/figures", 200))}, f)
+    jobs = common.figure_jobs([("gspo_s0", []), ("gspo_s1", []), ("gspo_s2", [])], "runs/figures")
+    assert common.reused_runs(jobs) == ["gspo_s0"]
     path = "runs/figures/seconds.json"
     with pytest.raises(KeyboardInterrupt):                          # the first invocation: Ctrl-C
         ledger = common.Ledger(path)                                # t0 = 100
@@ -697,7 +775,9 @@ def test_golden_run_lists_settings_and_jobs():
     # the warm-up job runs the study file itself: its path is the one thing that changed
     script = lambda jobs: [{**j, "cmd": [("STUDY" if str(c).endswith(".py") and "gspo_minimal" not in str(c)
                                           else c) for c in j["cmd"]]} for j in jobs]
-    assert_same(script(old("long_jobs")()), script(now("long_jobs")()), "long_jobs")
+    # and the warm-up jobs now name the script flags their summary records (`argv`, for the reuse check)
+    assert_same(script(old("long_jobs")()), script([{k: v for k, v in j.items() if k != "argv"}
+                                                    for j in now("long_jobs")()]), "long_jobs")
     assert_same(old("pre_cfg")("grpo"), dataclasses.replace(now("pre_cfg")("grpo"), micro_batch=None), "pre_cfg")
     assert_same(old("splits")("addwork"), now("splits")("addwork"), "splits")
 
@@ -718,9 +798,11 @@ def test_golden_summaries_of_figures_family_and_long(study_tree, monkeypatch):
     for name in ("gspo_s0", "control_s2"):
         same_call("read_summary", name)
         same_call("read_metrics", name)
-    # reused_runs no longer reads seconds back from the result JSON (test_a_resumed_target_...)
-    assert common.reused_runs(now("figure_runs")(), now("FIG_RUNS")) == old("reused_runs")(
-        old("figure_runs")(), old("FIG_RUNS"), "figures/none.json", "x")[0]
+    # reused_runs no longer reads seconds back from the result JSON (test_a_resumed_target_...), and keeps
+    # only runs that record this host and the job's settings (test_a_run_made_on_another_host_...): these
+    # fake runs record neither, so every one would be made again
+    assert old("reused_runs")(old("figure_runs")(), old("FIG_RUNS"), "figures/none.json", "x")[0]
+    assert common.reused_runs(common.figure_jobs(now("figure_runs")())) == []
     for done in ("runs/figures/gspo_s0/summary.json", "runs/figures/nothing/summary.json"):
         same_call("finished", done)
 
@@ -823,6 +905,7 @@ def test_golden_pretrained_measurement_and_answers_on_a_tiny_bpe_model(bpe_token
     same_call("heldout_rewards", model, tok, problems, 6)
 
 
+@pytest.mark.thorough          # seconds long: make test-thorough (make test's time budget)
 def test_branches_from_one_state_do_not_see_each_other(tiny_run):
     """A branch's AdamW moments and step counts are the state's, whatever branch ran before it:
     an optimiser loads same-dtype state without copying, and AdamW updates it in place."""
@@ -986,7 +1069,7 @@ def test_the_committed_pretrained_results_hold_the_spec_keys_and_agree_with_thei
                 "peak_rss_mb", "token_logprobs", "settings", "runs", "measured_at_commit"):
         assert key in r, key
     assert r["heldout_prompts"] >= 128 and r["heldout_before_equals_run"] and r["heldout_after_equals_run"]
-    assert r["model_sha256"].startswith("b179c952") and "dirty" not in r
+    assert r["model_sha256"].startswith("b179c952") and r["dirty"] is False
     lo, hi = r["reward_gain_ci95"]
     assert lo <= r["reward_after_rl"] - r["reward_before_rl"] <= hi
     assert {run["name"]: run["accuracy_after_rl"] for run in r["runs"]} == {
@@ -1001,7 +1084,7 @@ def test_the_committed_long_results_hold_the_spec_keys_and_agree_with_their_runs
                 "figures_long_seconds", "runs", "variance_slope_log_s_natural", "command", "seconds",
                 "measured_at_commit", "versions", "threads"):
         assert key in r, key
-    assert r["task"] == "addwork" and "dirty" not in r and len(r["runs"]) == 24
+    assert r["task"] == "addwork" and r["dirty"] is False and len(r["runs"]) == 24
     assert r["response_tokens_median"] >= 24 and r["response_tokens_p90"] / r["response_tokens_p10"] >= 2
     for run in r["runs"]:
         for key in ("loss", "aggregation", "minibatches", "shuffle_rewards", "seed", "accuracy_before_rl",
@@ -1112,7 +1195,7 @@ def test_family_json_per_loss_medians_agree_with_its_runs():
     r = committed("family.json")
     for key in (*PROVENANCE, "task", "steps", "seeds", "runs", "by_loss", "figures_family_seconds", "runs_reused"):
         assert key in r, key
-    assert r["task"] == "add2" and r["seconds"] == r["figures_family_seconds"] and "dirty" not in r
+    assert r["task"] == "add2" and r["seconds"] == r["figures_family_seconds"] and r["dirty"] is False
     assert [(run["name"], run["settings"]) for run in r["runs"]] == [
         (name, args + ["--steps", str(common.FIG_STEPS), "--threads", "1"]) for name, args in family.family_runs()]
     for run in r["runs"]:
@@ -1629,6 +1712,7 @@ def test_a_process_of_its_own_reports_its_own_peak_memory_not_its_parents(tmp_pa
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="needs Linux's /proc")
+@pytest.mark.thorough          # seconds long: make test-thorough (make test's time budget)
 def test_each_part_of_make_pretrained_records_its_own_peak_not_an_earlier_parts(tmp_path, monkeypatch):
     monkeypatch.setattr(pretrained, "PRE_DIR", str(tmp_path))
 
@@ -1652,7 +1736,8 @@ def test_make_pretrained_runs_each_part_in_a_child_that_keeps_its_json(tmp_path,
 
     def child(script, args, env):
         started.append((script, *args, env))
-        return pretrained.main(args), 123.0
+        with mock.patch.dict(os.environ, env):           # the child's environment, as in_own_process's
+            return pretrained.main(args), 123.0
     monkeypatch.setattr(pretrained, "in_own_process", child)
     r = pretrained.run_part("update", "t/python")
     assert started == [("studies/pretrained.py", "_part", "update", "--trl-python", "t/python",
@@ -1724,3 +1809,38 @@ def test_the_data_example_runs_the_tutorials_command():
     flags = printed[printed.index("--reward"):]
     assert flags == pretrained_seeds.SETTINGS["data_example"]["train"]
     assert pretrained_seeds.SETTINGS["data_example"]["rows"] == 500     # the example's default
+
+
+# --- provenance of the committed results ------------------------------------------------------------
+KEPT_COPIES = ("figures/figures_earlier_runs.json", "figures/pretrained_missed_goal.json",
+               "figures/pretrained_previous_rollout.json")      # earlier results kept beside their remake
+
+
+def test_every_committed_result_says_where_and_from_what_tree_it_was_made():
+    """Every JSON under figures/ names its commit, whether the tracked tree differed from it and where,
+    and its host; a file made before hosts were recorded says so (host null, with its note)."""
+    import glob
+    for path in sorted(glob.glob(os.path.join(HERE, "figures", "*.json"))):
+        with open(path) as f:
+            record = json.load(f)
+        name = os.path.relpath(path, HERE)
+        assert re.fullmatch(r"[0-9a-f]{40}", record.get("measured_at_commit") or ""), name
+        assert isinstance(record.get("dirty"), bool) and isinstance(record.get("dirty_paths"), list), name
+        assert record["dirty"] == bool(record["dirty_paths"]), name
+        assert "host" in record, name
+        if record["host"] is None:
+            assert "host" in record.get("provenance_note", ""), name
+        else:
+            assert record["host"]["cpu_capability"] and record["host"]["threads"] >= 1, name
+
+
+def test_each_committed_figure_file_is_one_targets_own_output():
+    """The files a target leaves out of its dirty check (its OUTPUTS) are exactly the ones it writes:
+    every committed file in figures/ belongs to one target, but the kept earlier copies."""
+    owners = {}
+    for study in (figures, family, long, regimes, pretrained, pretrained_seeds, trl_compare, lens):
+        for out in study.OUTPUTS:
+            assert out not in owners, f"{out}: {owners.get(out)} and {study.__name__}"
+            owners[out] = study.__name__
+    committed = subprocess.run(["git", "-C", HERE, "ls-files", "figures"], capture_output=True, text=True).stdout.split()
+    assert set(committed) - set(KEPT_COPIES) == set(owners), set(committed) ^ set(owners)

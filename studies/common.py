@@ -42,6 +42,10 @@ FIG_DIR = "figures"
 # ---------------------------------------------------------------------------------------------
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 started_in = os.getcwd()                 # where the running study was started (set by `cli`)
+# The commit and tracked tree as the running target started, less the files it writes itself (its
+# module's OUTPUTS), set by `cli`: every result file it writes records this one state, so a target
+# that writes its PNGs before its JSON is not dirty by its own hand.
+target_tree: dict | None = None
 
 
 class StudyFailed(RuntimeError):
@@ -78,11 +82,13 @@ def cli(main):
     restored after); StudyFailed or gspo_minimal.BadInput becomes `NAME.py: error: ...` on stderr
     and its exit code."""
     name = os.path.basename(inspect.getfile(main))
+    outputs = getattr(inspect.getmodule(main), "OUTPUTS", ())
 
     @functools.wraps(main)
     def run(argv=None) -> int:
-        global started_in
+        global started_in, target_tree
         outer, started_in = started_in, os.getcwd()
+        outer_tree, target_tree = target_tree, g.tree_state(outputs)
         os.chdir(ROOT)
         try:
             return main(argv)
@@ -94,7 +100,7 @@ def cli(main):
             return 1
         finally:
             os.chdir(started_in)
-            started_in = outer
+            started_in, target_tree = outer, outer_tree
     return run
 
 
@@ -122,9 +128,21 @@ DEFAULTS = g.Config()
 
 
 def load_checkpoint(path: str = os.path.join(TRAIN_DIR, "checkpoint")):
-    """gspo_minimal.load_pretrained on a checkpoint; `make train` first when it is missing."""
-    if not os.path.isdir(path):
-        print(f"no checkpoint at {path}: running `make train` first", flush=True)
+    """gspo_minimal.load_pretrained on a checkpoint; `make train` first when it is missing, or when
+    the default run in runs/train was made on another host (its settings, a seed say, are the user's)."""
+    default = os.path.normpath(path) == os.path.join(TRAIN_DIR, "checkpoint")
+    summary = os.path.join(TRAIN_DIR, "summary.json")
+    if default and os.path.isdir(path) and os.path.exists(summary):
+        why = host_problem(read_json(summary), g.host_fingerprint())
+        if why:
+            print(f"{TRAIN_DIR}: made again: {why}", flush=True)
+            path_missing = True
+        else:
+            path_missing = False
+    else:
+        path_missing = not os.path.isdir(path)
+    if path_missing:
+        print(f"no checkpoint at {path} made here: running `make train` first", flush=True)
         code = subprocess.run([sys.executable, "gspo_minimal.py", "--out", TRAIN_DIR]).returncode
         if code:
             fail(f"python gspo_minimal.py --out {TRAIN_DIR} exited with {code}: no checkpoint at {path}", 1)
@@ -135,10 +153,12 @@ def load_checkpoint(path: str = os.path.join(TRAIN_DIR, "checkpoint")):
 
 
 def write_json(path: str, data: dict, command: str, seconds: float) -> None:
-    """A result file with the keys every JSON of the project carries (gspo_minimal.provenance)."""
+    """A result file with the keys every JSON of the project carries (gspo_minimal.provenance):
+    the tree as the running target started (`target_tree`), or, outside a target, as it is now
+    less this file."""
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    # provenance before `open` empties a tracked file, which would read as a dirty tree
-    rewrite_json(path, {**g.provenance(command, seconds), **data})
+    tree = target_tree or g.tree_state([os.path.relpath(os.path.abspath(path), ROOT)])
+    rewrite_json(path, {**g.provenance(command, seconds, tree), **data})
 
 
 def rewrite_json(path: str, record: dict) -> None:
@@ -149,15 +169,44 @@ def rewrite_json(path: str, record: dict) -> None:
         json.dump(g.finite_or_null(record), f, indent=2, allow_nan=False)
 
 
-def kept_part(folder: str, study: str, name: str, fn, own_peak: bool = False) -> dict:
+def host_problem(record: dict, host: dict) -> str | None:
+    """Why a kept result cannot stand for one made now on `host` (None: it can): it records no host,
+    or another one, field by field (gspo_minimal.host_differences)."""
+    if record.get("host") is None:
+        return "it records no host (made before hosts were recorded)"
+    differ = g.host_differences(record["host"], host)
+    return f"made on another host ({'; '.join(differ)})" if differ else None
+
+
+def kept_problem(path: str, host: dict, settings: dict | None = None) -> str | None:
+    """Why a resumable target cannot reuse the part it kept in `path` (None: it can): missing, or
+    made on another host (`host`: the fingerprint this invocation's part would record) or with
+    other settings (`part_settings`, where the part records them)."""
+    if not os.path.exists(path):
+        return "not made yet"
+    kept = read_json(path)
+    why = host_problem(kept, host)
+    if why:
+        return why
+    if settings is not None and kept.get("part_settings") != json.loads(json.dumps(settings, allow_nan=False)):
+        return "made with other settings"
+    return None
+
+
+def kept_part(folder: str, study: str, name: str, fn, own_peak: bool = False,
+              settings: dict | None = None) -> dict:
     """One part of a resumable target: fn()'s result with its seconds (with `own_peak`, also this
     process's peak resident memory while fn ran, `peak_rss_mb`, VmHWM reset as it starts), kept in
-    <folder>/<name>.json; a later invocation reuses the file instead of running fn again. Returns
+    <folder>/<name>.json; a later invocation reuses the file instead of running fn again, if it was
+    made on this host with these `settings` (`kept_problem`), and says why not otherwise. Returns
     the file as read back, so a first run and a resumed one see the same thing."""
     path = os.path.join(folder, f"{name}.json")
-    if os.path.exists(path):
+    problem = kept_problem(path, g.host_fingerprint(), settings)
+    if problem is None:
         print(f"{name}: reusing {path}", flush=True)
         return read_json(path)
+    if os.path.exists(path):
+        print(f"{name}: made again: {problem}", flush=True)
     if own_peak:
         reset_peak_rss()
     t0 = time.perf_counter()
@@ -165,6 +214,8 @@ def kept_part(folder: str, study: str, name: str, fn, own_peak: bool = False) ->
     res["seconds"] = time.perf_counter() - t0
     if own_peak:
         res["peak_rss_mb"] = peak_rss_mb()
+    if settings is not None:
+        res["part_settings"] = settings
     write_json(path, res, f"python studies/{study}.py ({name})", res["seconds"])
     print(f"{name}: {res['seconds']:.0f} s", flush=True)
     return read_json(path)
@@ -180,12 +231,17 @@ def problems(n: int, rng: random.Random, task: str = "add2"):
     return g.sample_train_problems(splits(task), task, n, rng)
 
 
+def warm_start_argv(flags: list[str], seed: int, out: str) -> list[str]:
+    """The script's flags of a warm-up (`warm_start`): what its summary.json records as `config`."""
+    return [*flags, "--seed", str(seed), "--threads", "1", "--out", out]
+
+
 def warm_start(flags: list[str], seed: int, out: str, command: str) -> None:
     """The script's own supervised warm-up for `python gspo_minimal.py FLAGS --seed SEED` (its model
     initialisation, its training problems, its stopping rule), saved in `out` as the checkpoint
     every RL run of that seed starts from: one warm-up per seed instead of one per run."""
     import dataclasses
-    cfg = g.parse_config([*flags, "--seed", str(seed), "--threads", "1", "--out", out])
+    cfg = g.parse_config(warm_start_argv(flags, seed, out))
     t0 = time.perf_counter()
     device, model, tok = g.prepare(cfg)
     run = g.Run(cfg.out, t0, command=command)
@@ -438,22 +494,79 @@ def finished(done: str) -> bool:
     return not read_json(done).get("interrupted", False)
 
 
+CHILD_ENV = {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}   # what run_jobs adds to a job's environment
+
+
+def job_config(job: dict) -> dict | None:
+    """The settings a job's run will record (its summary.json's `config`): the script's flags as
+    the job gives them (`argv`, or the arguments after gspo_minimal.py in its command), parsed;
+    None where a job names neither."""
+    import dataclasses
+    argv = job.get("argv")
+    if argv is None and any(str(c).endswith("gspo_minimal.py") for c in job["cmd"]):
+        argv = job["cmd"][[str(c).endswith("gspo_minimal.py") for c in job["cmd"]].index(True) + 1:]
+    if argv is None:
+        return None
+    return json.loads(json.dumps(dataclasses.asdict(g.settings_of([str(a) for a in argv])), allow_nan=False))
+
+
+def reuse_problem(job: dict) -> str | None:
+    """Why this invocation cannot keep the run a job left (None: it can): not finished, made on
+    another host (its recorded fingerprint against the one this invocation's child would record:
+    one thread, run_jobs' environment), or with other settings, field by field."""
+    if not finished(job["done"]):
+        return "not finished"
+    summary = read_json(job["done"])
+    why = host_problem(summary, g.host_fingerprint(1, {**os.environ, **CHILD_ENV}))
+    if why:
+        return why
+    expected = job_config(job)
+    if expected is not None:
+        got = summary.get("config") or {}
+        fields = sorted(k for k in set(expected) | set(got) if expected.get(k) != got.get(k))
+        if fields:
+            return f"made with other settings ({', '.join(fields)})"
+    return None
+
+
+def jobs_to_run(jobs: list[dict]) -> dict[str, str]:
+    """The jobs this invocation must (re)make, name -> why; every other job's run is kept. A job
+    whose `needs` is made again is made again too: what it started from has changed."""
+    remake: dict[str, str] = {}
+    made = set()
+    for job in jobs:
+        why = reuse_problem(job)
+        if why is None and job["needs"] in made:
+            why = "what it starts from is made again"
+        if why is not None:
+            remake[job["name"]] = why
+            made.add(job["done"])
+    return remake
+
+
 def run_jobs(jobs: list[dict], folder: str, workers: int = 2, poll: float = 1.0) -> int:
     """Run `jobs` (name, cmd, done: the summary.json a finished job leaves, needs: the `done` of a
-    job it waits for), `workers` at a time, one thread each; a finished job is skipped, so the
-    target resumes. Returns how many jobs ran; raises when any failed (after the others ran)."""
+    job it waits for; optional argv: the script flags its run records, where cmd does not show
+    them), `workers` at a time, one thread each. A finished run is kept when it was made on this
+    host with these settings (`jobs_to_run`), so the target resumes; one that was not is made again,
+    and a line says why. Returns how many jobs ran; raises when any failed (after the others ran)."""
     os.makedirs(folder, exist_ok=True)
-    pending = [j for j in jobs if not finished(j["done"])]
+    remake = jobs_to_run(jobs)
+    for job in jobs:
+        if job["name"] in remake and os.path.exists(job["done"]):
+            print(f"{job['name']}: made again: {remake[job['name']]}", flush=True)
+    pending = [j for j in jobs if j["name"] in remake]
     ran = len(pending)
     active: list[tuple[dict, subprocess.Popen]] = []
     failed: set[str] = set()
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    env = {**os.environ, **CHILD_ENV}
     while pending or active:
         for job in [j for j in pending if j["needs"] in failed]:
             pending.remove(job)
             failed.add(job["done"])
             print(f"skipped {job['name']}: what it needs failed", flush=True)
-        ready = [j for j in pending if j["needs"] is None or finished(j["needs"])]
+        waiting = {j["done"] for j in pending} | {j["done"] for j, _ in active}
+        ready = [j for j in pending if j["needs"] is None or (j["needs"] not in waiting and finished(j["needs"]))]
         if not ready and not active and pending:              # waiting for what will never come
             raise RuntimeError(f"jobs waiting for files no job writes: {[j['name'] for j in pending]}")
         while ready and len(active) < workers:
@@ -483,15 +596,22 @@ def script_job(name: str, args: list[str], folder: str, steps: int, needs: str |
                     "--out", out, *extra]}
 
 
+def figure_jobs(runs, folder: str = FIG_RUNS) -> list[dict]:
+    """make figures' and figures-family's runs (name, flags) as run_jobs jobs of FIG_STEPS steps."""
+    return [script_job(name, args, folder, FIG_STEPS) for name, args in runs]
+
+
 def run_all(runs, workers: int = 2, folder: str = FIG_RUNS) -> None:
     """Run the training jobs, `workers` at a time, one thread each (2 cores: no oversubscription).
-    A run whose summary.json says it finished is kept and skipped, so an interrupted target resumes."""
-    run_jobs([script_job(name, args, folder, FIG_STEPS) for name, args in runs], folder, workers)
+    A finished run made on this host with these settings is kept, so an interrupted target resumes."""
+    run_jobs(figure_jobs(runs, folder), folder, workers)
 
 
-def reused_runs(runs, folder: str) -> list[str]:
-    """The runs a resumed target finds finished in `folder` and keeps (a Ctrl-C'd one is made again)."""
-    return [n for n, _ in runs if finished(os.path.join(folder, n, "summary.json"))]
+def reused_runs(jobs: list[dict]) -> list[str]:
+    """The runs a resumed target finds finished, made on this host with these settings, and keeps
+    (a Ctrl-C'd one, or one from another host, is made again: `jobs_to_run`)."""
+    remake = jobs_to_run(jobs)
+    return [j["name"] for j in jobs if j["name"] not in remake]
 
 
 class Ledger:

@@ -32,8 +32,15 @@ import gspo_minimal as g  # noqa: E402
 from studies.common import (DEFAULTS, FIG_DIR, SEEDS, STYLE, Ledger, Parser, big_rollout,  # noqa: E402
                             binned_variance, cli, fail, loglog_slope, logprobs_in_chunks, one_update,
                             read_metrics, read_json, read_summary, reused_runs, run_jobs, script_job,
-                            variance_panels, variance_profile, warm_optimizer, warm_start, write_json)
+                            variance_panels, variance_profile, warm_optimizer, warm_start, warm_start_argv, write_json)
 
+
+# The files this target writes into figures/: its own outputs, left out of its dirty check
+# (gspo_minimal.tree_state, taken by studies.common.cli when it starts).
+OUTPUTS = ("figures/long.json",
+           "figures/long_accuracy.png",
+           "figures/long_aggregation.png",
+           "figures/long_variance.png",)
 
 # ---------------------------------------------------------------------------------------------
 # make figures-long: long answers (--task addwork), the aggregation trap, how off-policy, and the
@@ -78,7 +85,8 @@ def long_jobs() -> list[dict]:
     """The warm-ups, then the RL runs, each waiting for its seed's warm-up."""
     jobs = [{"name": f"warmup_s{seed}", "cmd": [sys.executable, "studies/long.py", "_warmup", str(seed),
                                                  warm_dir(seed), *LONG_EXTRA],
-             "done": os.path.join(warm_dir(seed), "summary.json"), "needs": None} for seed in SEEDS]
+             "done": os.path.join(warm_dir(seed), "summary.json"), "needs": None,
+             "argv": warm_start_argv(["--task", "addwork", *LONG_EXTRA], seed, warm_dir(seed))} for seed in SEEDS]
     for name, args in long_runs():
         seed = int(args[args.index("--seed") + 1])
         jobs.append(script_job(name, args, LONG_RUNS, LONG_STEPS, needs=jobs[seed]["done"], extra=LONG_EXTRA))
@@ -325,7 +333,7 @@ def figures_long() -> dict:
     os.makedirs(FIG_DIR, exist_ok=True)
     path = os.path.join(FIG_DIR, "long.json")
     jobs = long_jobs()
-    reused = reused_runs([(j["name"], None) for j in jobs[len(SEEDS):]], LONG_RUNS)
+    reused = [n for n in reused_runs(jobs) if not n.startswith("warmup_")]       # the RL runs kept
     ledger = Ledger(os.path.join(LONG_RUNS, "seconds.json"))
     try:
         if run_jobs(jobs, LONG_RUNS):          # a run was (re)made: what is computed from them too

@@ -34,9 +34,17 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # gspo_minimal, studies
 
+from studies import common  # noqa: E402
 from studies.common import (FIG_DIR, FIG_STEPS, SEEDS, Ledger, Parser, cli, fail, read_json,  # noqa: E402
-                            read_metrics, read_summary, rewrite_json, run_jobs, script_job, warm_start,
+                            read_metrics, read_summary, rewrite_json, run_jobs, script_job, warm_start, warm_start_argv,
                             write_json)
+
+# The files this target writes into figures/: its own outputs, left out of its dirty check
+# (gspo_minimal.tree_state, taken by studies.common.cli when it starts).
+OUTPUTS = ("figures/map.json",
+           "figures/map.png",
+           "figures/map_prototype.json",)
+
 from studies.long import LONG_STEPS, warm_dir as long_warm_dir  # noqa: E402
 
 MAP_RUNS = "runs/map"
@@ -76,7 +84,8 @@ CELLS = {"base": ("dense", []),
          "bf16_sampler_deep_hot": ("dense", BF16 + FROM_SAMPLER + DEEP + HOT),
          "addwork_deep_hot": ("addwork", DEEP + HOT)}
 TASK_OF = {"dense": "add2", "moe": "add2", "addwork": "addwork"}
-PROVENANCE = ("command", "seconds", "measured_at_commit", "dirty", "versions", "threads")
+PROVENANCE = ("command", "seconds", "measured_at_commit", "dirty", "dirty_paths", "versions", "threads", "host",
+              "provenance_note")
 NOISE_FIRST = ("base", "addwork_deep_hot")   # each task's noise is measured up front in these
 CLIP_RUNS = "runs/map_clip"
 CLIP_CELLS = ("bf16_trainer", "bf16_sampler")   # the same bf16 sampler, pi_old from each engine
@@ -143,7 +152,8 @@ def warm_path(model: str, seed: int) -> str:
 def warmup_job(model: str, seed: int) -> dict:
     out = warm_path(model, seed)
     return {"name": f"warmup_{model}_s{seed}", "done": os.path.join(out, "summary.json"), "needs": None,
-            "cmd": [sys.executable, "studies/map.py", "_warmup", model, str(seed), out]}
+            "cmd": [sys.executable, "studies/map.py", "_warmup", model, str(seed), out],
+            "argv": warm_start_argv(MODELS[model]["warmup"], seed, out)}
 
 
 def run_name(cell: str, loss: str, seed: int, rl_seed: int | None = None) -> str:
@@ -500,7 +510,7 @@ def first_minibatch_clip() -> dict:
                              "minibatch_1_mean_median": median_of(cell, loss, lambda r: r["clip_seqs_by_minibatch"][0])}
                       for loss in ("gspo", "grpo")} for cell in CLIP_CELLS}
     seconds = time.perf_counter() - t0
-    record["first_minibatch_clip"] = {**g.provenance("python studies/map.py clip", seconds),
+    record["first_minibatch_clip"] = {**g.provenance("python studies/map.py clip", seconds, common.target_tree),
                                       "metric": CLIP_METRIC, "cells": list(CLIP_CELLS), "seeds": list(SEEDS),
                                       "runs": runs, "by_cell": by_cell}
     rewrite_json(MAP_JSON, record)                         # the first phase's provenance stays

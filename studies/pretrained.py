@@ -41,9 +41,15 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import torch  # noqa: E402
 
 import gspo_minimal as g  # noqa: E402
-from studies.common import (FIG_DIR, Parser, binned_variance, cli, fail, in_own_process, kept_part,  # noqa: E402
+from studies.common import (FIG_DIR, Parser, binned_variance, cli, fail, in_own_process, kept_part, kept_problem,  # noqa: E402
                             loglog_slope, logprobs_in_chunks, minibatch_ratios, read_json, smollm_gguf,
                             rewrite_json, variance_panels, variance_profile, write_json)
+
+# The files this target writes into figures/: its own outputs, left out of its dirty check
+# (gspo_minimal.tree_state, taken by studies.common.cli when it starts).
+OUTPUTS = ("figures/pretrained.json",
+           "figures/pretrained_variance.png",)
+
 from studies.speed import measure_logprobs  # noqa: E402
 
 
@@ -324,7 +330,7 @@ def paired_bootstrap(before: list[float], after: list[float], n_boot: int) -> li
 def pre_part(name: str, fn) -> dict:
     """One part of make pretrained, kept in runs/pretrained/<name>.json with its seconds and its
     peak resident memory (VmHWM reset as it starts); reused by a later invocation."""
-    return kept_part(PRE_DIR, "pretrained", name, fn, own_peak=True)
+    return kept_part(PRE_DIR, "pretrained", name, fn, own_peak=True, settings=PRE)
 
 
 PARTS = ("sampling", "heldout_before", "update", "train_gspo", "train_shuffled", "answer_forms",
@@ -374,8 +380,12 @@ def run_part(name: str, trl_python: str) -> dict:
     """One part in a process of its own, `python studies/pretrained.py _part NAME`: its peak is its
     own, not what earlier parts left resident (the allocator keeps freed memory). Reused from
     runs/pretrained/<name>.json when an earlier invocation finished it."""
-    if not os.path.exists(os.path.join(PRE_DIR, f"{name}.json")):
-        env = {"MALLOC_MMAP_THRESHOLD_": str(PRE["malloc_mmap_threshold"])} if name in MODEL_PARTS else {}
+    env = {"MALLOC_MMAP_THRESHOLD_": str(PRE["malloc_mmap_threshold"])} if name in MODEL_PARTS else {}
+    path = os.path.join(PRE_DIR, f"{name}.json")
+    why = kept_problem(path, g.host_fingerprint(None, {**os.environ, "HF_HUB_OFFLINE": "1", **env}), PRE)
+    if why:
+        if os.path.exists(path):
+            print(f"{name}: made again: {why}", flush=True)
         code, _ = in_own_process("studies/pretrained.py", ["_part", name, "--trl-python", trl_python], env=env)
         if code:
             fail(f"make pretrained: the part {name} exited with {code}; its log is above", 1)

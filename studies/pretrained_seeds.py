@@ -35,6 +35,11 @@ import torch  # noqa: E402
 import gspo_minimal as g  # noqa: E402
 from studies.common import (FIG_DIR, Parser, cli, fail, in_own_process, kept_part, peak_rss_mb,  # noqa: E402
                             read_json, smollm_gguf, write_json)
+
+# The files this target writes into figures/: its own outputs, left out of its dirty check
+# (gspo_minimal.tree_state, taken by studies.common.cli when it starts).
+OUTPUTS = ("figures/pretrained_seeds.json",)
+
 from studies.pretrained import PRE, heldout_rewards, paired_bootstrap, scored_checkpoint  # noqa: E402
 
 SEEDS_DIR = "runs/pretrained_seeds"
@@ -64,7 +69,7 @@ def option(argv: list[str], flag: str) -> str:
 def part(name: str, fn) -> dict:
     """One part, kept in runs/pretrained_seeds/<name>.json with its seconds; reused by a later
     invocation (the target resumes where it stopped). A run's peak is its own process's."""
-    return kept_part(SEEDS_DIR, "pretrained_seeds", name, fn)
+    return kept_part(SEEDS_DIR, "pretrained_seeds", name, fn, settings=SETTINGS)
 
 
 def scored_run(name: str, model: str, args: list[str], test) -> dict:

@@ -52,7 +52,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import torch  # noqa: E402
 
 import gspo_minimal as g  # noqa: E402
+from studies import common  # noqa: E402
 from studies.common import cli, fail, given_path, need, peak_rss_mb  # noqa: E402
+
+# The files this target writes into figures/: its own outputs, left out of its dirty check
+# (gspo_minimal.tree_state, taken by studies.common.cli when it starts).
+OUTPUTS = ("figures/bench.json",)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -403,7 +408,8 @@ def bench_side(argv: list[str]) -> int:
     fn = bench_ours if side == "ours" else bench_trl
     result = fn(cfg, start, device, float(budget))
     result["peak_rss_mb"] = peak_rss_mb()
-    result = {**g.provenance(f"python studies/trl_compare.py _side {side}", result.get("train_seconds")),
+    result = {**g.provenance(f"python studies/trl_compare.py _side {side}", result.get("train_seconds"),
+                             common.target_tree),
               **result}
     with open(out, "w") as f:
         json.dump(result, f, allow_nan=False)
@@ -471,7 +477,7 @@ def bench_main(argv: list[str]) -> int:
         "bench_seconds": time.perf_counter() - t0,
     }
     bench = {**g.provenance("python studies/trl_compare.py bench" + (f" {threads}" if argv else ""),
-                            bench["bench_seconds"]), **bench}      # bench's own `threads` wins
+                            bench["bench_seconds"], common.target_tree), **bench}   # bench's own `threads` wins
     for path in (os.path.join(BENCH_DIR, "bench.json"), BENCH_FIGURES_JSON):   # runs/ is not committed
         with open(path, "w") as f:
             json.dump(bench, f, indent=2, allow_nan=False)
