@@ -51,8 +51,8 @@ def pytest_sessionfinish(session, exitstatus):
 TINY = ["--steps", "4", "--warmup-max-steps", "20", "--warmup-batch", "16", "--val-size", "40", "--test-size", "40",
         "--prompts-per-step", "4", "--group-size", "4", "--minibatches", "2", "--eval-every", "2"]
 TINY_ADDWORK = ["--task", "addwork", "--steps", "2", "--warmup-max-steps", "5", "--warmup-batch", "8",
-                "--val-size", "16", "--test-size", "16", "--prompts-per-step", "2", "--group-size", "4",
-                "--minibatches", "2", "--eval-every", "1", "--aggregation", "dapo"]
+                "--val-size", "8", "--test-size", "8", "--prompts-per-step", "2", "--group-size", "4",
+                "--minibatches", "2", "--eval-every", "2", "--aggregation", "dapo"]
 
 
 @pytest.fixture(scope="session")
