@@ -19,7 +19,7 @@ import gspo_minimal as g  # noqa: E402
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 # `ci`: derandomized, so a CI failure reproduces exactly; `thorough`: many more examples.
-settings.register_profile("ci", derandomize=True, max_examples=50, deadline=None,
+settings.register_profile("ci", derandomize=True, max_examples=40, deadline=None,
                           print_blob=True, suppress_health_check=[HealthCheck.too_slow])
 settings.register_profile("thorough", max_examples=2000, deadline=None, print_blob=True,
                           suppress_health_check=[HealthCheck.too_slow])

@@ -640,7 +640,8 @@ def form_gap(logp_new, logp_old, mask) -> torch.Tensor:
 def engine_gap(logp_trainer, logp_sampler, mask) -> tuple[float, float]:
     """(B, T) log-probs of the same tokens from the trainer and the sampler at theta_old -> the mean
     absolute gap per completion token and the mean |log s| per sequence, in nats."""
-    delta, keep = _deltas(logp_trainer, logp_sampler, mask)
+    keep = mask != 0
+    delta = torch.where(keep, logp_trainer - logp_sampler, torch.zeros_like(logp_trainer))   # (B, T)
     per_token = delta.abs().sum() / keep.sum().clamp(min=1)
     return per_token.item(), sequence_log_ratio(logp_trainer, logp_sampler, mask).abs().mean().item()
 
@@ -1075,6 +1076,17 @@ def flat_group_share(rewards: torch.Tensor, group_size: int) -> float:
     return (r == r[:, :1]).all(1).float().mean().item()
 
 
+QUANTILES = (0.5, 0.9, 0.99, 1.0)
+
+
+def quantiles(x: torch.Tensor) -> list[float]:
+    """The median, p90, p99 and maximum of a 1-D tensor (empty: all 0): how far off-policy one
+    minibatch is, without keeping its every value."""
+    if x.numel() == 0:
+        return [0.0] * len(QUANTILES)
+    return torch.quantile(x.double(), torch.tensor(QUANTILES, dtype=torch.float64, device=x.device)).tolist()
+
+
 def ratio_metrics(logp_new, logp_old, adv, mask, loss: str, eps_low: float, eps_high: float) -> dict:
     """s, the three forms' disagreement, and the clip counts of one minibatch.
 
@@ -1108,17 +1120,6 @@ def ratio_metrics(logp_new, logp_old, adv, mask, loss: str, eps_low: float, eps_
             "n_clip_tokens": tok_clipped.sum().item(), "n_tokens": keep.sum().item(),
             "n_clip_seqs": seq_clipped.sum().item(), "n_gate_tokens": gated.sum().item(),
             "abs_log_s_q": quantiles(log_s.abs()), "abs_token_log_ratio_q": quantiles(delta[keep].abs())}
-
-
-QUANTILES = (0.5, 0.9, 0.99, 1.0)
-
-
-def quantiles(x: torch.Tensor) -> list[float]:
-    """The median, p90, p99 and maximum of a 1-D tensor (empty: all 0): how far off-policy one
-    minibatch is, without keeping its every value."""
-    if x.numel() == 0:
-        return [0.0] * len(QUANTILES)
-    return torch.quantile(x.double(), torch.tensor(QUANTILES, dtype=torch.float64, device=x.device)).tolist()
 
 
 def group_chunks(n_rows: int, group_size: int, minibatches: int, device) -> list[torch.Tensor]:
@@ -1338,6 +1339,7 @@ def train(cfg: Config, model, tokenizer, device, run, stop) -> dict:
     except Diverged as err:                              # a non-finite loss or gradient: stop here
         summary["stop_reason"] = str(err)
 
+    opt = sched = None          # AdamW's two moments (twice the weights) are not needed to evaluate
     # 3. The end, after Ctrl-C too: a final checkpoint, and the final model's test accuracy. Not
     #    after a non-finite step, nor with a non-finite weight (an update with a finite loss and
     #    gradient can still overflow one): the last checkpoint, all finite, is the run's result.

@@ -1312,3 +1312,79 @@ def test_make_trl_refuses_a_data_file_in_one_line(tmp_path, capsys):
     assert trl_compare.trl_main(TINY + data_flags(tmp_path) + ["--out", str(tmp_path / "never")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--data is gspo_minimal.py's" in err, err
+
+
+# --- memory by design: the worst case (every answer at --max-new-tokens) stays within its budget ---
+def test_every_pass_and_sampling_piece_stays_within_its_token_budget_when_every_answer_runs_full_length(
+        tmp_path, monkeypatch):
+    """EOS suppressed, so every sampled answer runs to --max-new-tokens (the longest, hence the
+    largest, passes a run can meet): each forward and backward pass of the update holds at most
+    --micro-batch rows of max_new_tokens completion tokens, and the rollout samples whole groups of
+    at most SAMPLE_TOKENS completion tokens at a time. What a pass's memory scales with is bounded
+    by the flags, whatever the model answers."""
+    max_new, rows = 8, 4
+    monkeypatch.setattr(g, "SAMPLE_TOKENS", 2 * 4 * max_new)       # two groups of 4 per sampling piece
+    pieces, passes, lengths = [], [], []
+    sample, group_pass, row_pass = g.sample_completions, g.group_policy_logprobs, g.policy_logprobs
+
+    def full_length(model, prompt_ids, *args, **kwargs):
+        if kwargs.get("with_logprobs"):                              # a rollout's sampling, not evaluation
+            kwargs["suppress_eos"] = True
+            pieces.append(len(prompt_ids))
+        out = sample(model, prompt_ids, *args, **kwargs)
+        if kwargs.get("with_logprobs"):
+            lengths.append(out[0].shape[1])
+        return out
+
+    def counted(fn):
+        def run(model, prompt_ids, prompt_mask, completions, *args, **kwargs):
+            passes.append(tuple(completions.shape))                 # (rows, completion tokens)
+            return fn(model, prompt_ids, prompt_mask, completions, *args, **kwargs)
+        return run
+    monkeypatch.setattr(g, "sample_completions", full_length)
+    monkeypatch.setattr(g, "group_policy_logprobs", counted(group_pass))
+    monkeypatch.setattr(g, "policy_logprobs", counted(row_pass))
+    argv = ["--steps", "1", "--warmup-max-steps", "0", "--val-size", "4", "--test-size", "4",
+            "--prompts-per-step", "4", "--group-size", "4", "--minibatches", "2", "--eval-every", "1",
+            "--max-new-tokens", str(max_new), "--micro-batch", str(rows), "--out", str(tmp_path / "run")]
+    assert g.main(argv) == 0
+    assert lengths and all(n == max_new for n in lengths)           # every answer ran full length
+    assert pieces[0] == 16 and max(pieces[1:]) * max_new <= g.SAMPLE_TOKENS   # 16 rows in pieces of 8
+    assert passes and all(r <= rows and r * t <= rows * max_new for r, t in passes), passes
+
+
+def test_the_story_reads_top_to_bottom():
+    """Above the plumbing's banner, gspo_minimal.py is read as a story: no function there uses a
+    story function defined after it (calls into the plumbing, after the banner, are fine)."""
+    import ast
+    source = open(os.path.join(HERE, "gspo_minimal.py")).read()
+    banner = next(i for i, line in enumerate(source.splitlines(), 1) if line.startswith("# ====="))
+    story = [node for node in ast.parse(source).body
+             if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and node.lineno < banner]
+    defined_at = {node.name: node.lineno for node in story}
+    ahead = [(node.name, used.id) for node in story for used in ast.walk(node)
+             if isinstance(used, ast.Name) and isinstance(used.ctx, ast.Load)
+             and defined_at.get(used.id, 0) > node.lineno]
+    assert not ahead, f"functions that use a story function defined after them: {ahead}"
+
+
+def test_the_optimiser_is_gone_before_the_final_evaluation(tmp_path, monkeypatch):
+    """AdamW's two moments (twice the weights) are freed before the final test-set evaluation, the
+    phase at which a real-model run peaked with them still resident (results.md, Speed and memory)."""
+    import gc
+    import weakref
+    made, live, accuracy, optimizer = [], [], g.accuracy, g.rl_optimizer
+
+    def watched(*args, **kwargs):
+        opt, sched = optimizer(*args, **kwargs)
+        made.append(weakref.ref(opt))
+        return opt, sched
+
+    def counted(*args, **kwargs):
+        gc.collect(0)                   # the optimiser goes by reference counting once train() drops it
+        live.append(sum(ref() is not None for ref in made))
+        return accuracy(*args, **kwargs)
+    monkeypatch.setattr(g, "rl_optimizer", watched)
+    monkeypatch.setattr(g, "accuracy", counted)
+    assert g.main([*REPEAT, "--out", str(tmp_path / "run")]) == 0
+    assert live[-1] == 0 and max(live) == 1, live        # alive at RL's evaluations, gone at the end

@@ -156,3 +156,43 @@ def test_a_micro_batched_update_on_long_answers_stays_within_its_memory(smollm):
     assert out.returncode == 0, out.stderr[-2000:]
     peak = float(out.stdout.split()[-1])
     assert peak < UPDATE_PEAK_MB, f"the update peaked at {peak:.0f} MB"
+
+
+# make pretrained-seeds' update at its worst: every one of a rollout's 64 answers at --max-new-tokens
+# (32), 4 minibatches of 16 rows, one pass each, with AdamW's moments allocated: the phase that holds
+# the most while training (pretrained_seeds.json:peak_by_phase: 3,809 MiB at the update, 4,023 at the
+# final evaluation, which ran with the moments still resident; train() now frees them before it,
+# test_the_optimiser_is_gone_before_the_final_evaluation). The whole process's peak, model loading
+# included, must stay within the real-model memory goal, 4 GiB.
+MEMORY_GOAL_MB = 4096
+FULL_LENGTH_PROBE = """
+import torch
+import gspo_minimal as g
+from studies import pretrained_seeds as ps
+from studies.common import smollm_gguf
+torch.manual_seed(0)
+model, tok = g.load_pretrained(smollm_gguf())
+cfg = g.settings_of([*ps.TRAIN, "--micro-batch", str(ps.ROWS_PER_PASS)])
+rows = cfg.prompts_per_step * cfg.group_size
+ids, attn = g.encode_prompts(tok, [g.prompt_text("add2-chat", 12, 30)] * rows, "cpu")
+rewards = torch.arange(rows, dtype=torch.float32) % 2
+batch = {"prompt_ids": ids, "prompt_mask": attn, "completions": torch.randint(100, 40000, (rows, cfg.max_new_tokens)),
+         "mask": torch.ones(rows, cfg.max_new_tokens, dtype=torch.bool), "rewards": rewards,
+         "advantages": g.group_advantages(rewards, cfg.group_size)}
+opt, _ = g.rl_optimizer(model, cfg)
+g.rl_update(model, opt, batch, cfg, 3e-4, 4e-4)
+print(rows, cfg.max_new_tokens, cfg.micro_batch)
+print(next(int(l.split()[1]) / 1024 for l in open("/proc/self/status") if l.startswith("VmHWM")))
+"""
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="needs Linux's /proc")
+def test_a_seed_runs_update_with_every_answer_at_full_length_stays_within_the_memory_goal(smollm):
+    out = subprocess.run([sys.executable, "-c", FULL_LENGTH_PROBE], cwd=HERE, capture_output=True, text=True,
+                         timeout=600, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = out.stdout.split("\n")
+    assert lines[-3].split() == ["64", "32", "16"]                    # the seed runs' rollout and passes
+    peak = float(lines[-2])
+    print(f"full-length update at the seed runs' settings: peak {peak:.0f} MiB")
+    assert peak < MEMORY_GOAL_MB, f"the full-length update peaked at {peak:.0f} MiB"
