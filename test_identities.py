@@ -402,6 +402,86 @@ def test_with_variable_lengths_the_expected_ratio_can_exceed_one():
 
 
 # ---------------------------------------------------------------------------------------------
+# 7b. The sampler-trainer gap, by exact enumeration. y is drawn from a sampler q; the trainer p
+# scores it. Per position t: d_t = log p(y_t|ctx) - log q(y_t|ctx), k_t = KL(q(.|ctx) || p(.|ctx)).
+# Given the context, E_q[d_t] = -k_t, so e_t = d_t + k_t has mean 0 given the past (martingale
+# differences): the gaps' sum has mean -E[sum k_t] whatever the stopping rule, and at a fixed length
+# the e_t are uncorrelated. With EOS, 1/|y| weights each response differently, and the
+# length-normalised mean of d is not minus the length-normalised mean of k.
+# ---------------------------------------------------------------------------------------------
+def stopped_paths(q, p, V, L, eos=0):
+    """Every response a sampler q can give, stopping at EOS (token `eos`; None: never) or at L tokens,
+    with its probability under q and its per-position d_t and k_t: [(prob, [d_t], [k_t])]."""
+    out = []
+
+    def walk(prefix, prob, ds, ks):
+        lq, lp = q[prefix], p[prefix]
+        k = (lq.exp() * (lq - lp)).sum().item()                      # KL(q || p) at this context
+        for y in range(V):
+            step = (prob * lq[y].exp().item(), ds + [(lp[y] - lq[y]).item()], ks + [k])
+            if y == eos or len(prefix) + 1 == L:
+                out.append(step)
+            else:
+                walk(prefix + (y,), *step)
+    walk((), 1.0, [], [])
+    return out
+
+
+def two_policies(V, L, seed, scale, drift):
+    gen = torch.Generator().manual_seed(seed)
+    q = random_policy(V, L, gen, scale)
+    p = {k: torch.log_softmax(v + torch.randn(V, generator=gen, dtype=F64) * drift, -1) for k, v in q.items()}
+    return q, p
+
+
+@given(st.integers(2, 3), st.integers(1, 5), st.integers(0, 2**32 - 1),
+       st.sampled_from([0.3, 1.0, 3.0]), st.sampled_from([0.01, 0.3, 2.0]))
+def test_the_gap_sums_to_minus_the_kl_whatever_the_stopping_rule(V, L, seed, scale, drift):
+    """E_q[sum_t d_t] = -E_q[sum_t k_t] exactly, with EOS stopping responses at different lengths."""
+    q, p = two_policies(V, L, seed, scale, drift)
+    paths = stopped_paths(q, p, V, L, eos=0)
+    assert sum(w for w, _, _ in paths) == pytest.approx(1.0, abs=1e-12)
+    gap = sum(w * sum(d) for w, d, _ in paths)
+    kl = sum(w * sum(k) for w, _, k in paths)
+    assert gap == pytest.approx(-kl, rel=1e-9, abs=1e-13), "E[sum d] != -E[sum k] with EOS"
+
+
+@given(st.integers(2, 3), st.integers(2, 4), st.integers(0, 2**32 - 1),
+       st.sampled_from([0.3, 1.0, 3.0]), st.sampled_from([0.01, 0.3, 2.0]))
+def test_at_a_fixed_length_log_s_is_minus_the_mean_kl_plus_uncorrelated_noise(V, L, seed, scale, drift):
+    """No EOS, every response L tokens: E_q[log s] = -E_q[K] with K = (1/L) sum_t k_t, and the
+    centred gaps e_t = d_t + k_t are uncorrelated, so Var(log s + K) = (1/L^2) sum_t E[e_t^2]."""
+    q, p = two_policies(V, L, seed, scale, drift)
+    paths = stopped_paths(q, p, V, L, eos=None)
+    assert all(len(d) == L for _, d, _ in paths)
+    e_log_s = sum(w * sum(d) / L for w, d, _ in paths)
+    assert e_log_s == pytest.approx(-sum(w * sum(k) / L for w, _, k in paths), rel=1e-9, abs=1e-13)
+    e = [(w, [dt + kt for dt, kt in zip(d, k)]) for w, d, k in paths]
+    scale2 = max(sum(w * x[t] ** 2 for w, x in e) for t in range(L))
+    for a in range(L):
+        assert abs(sum(w * x[a] for w, x in e)) <= 1e-11 * (1 + scale2)               # E[e_t] = 0
+        for b in range(a + 1, L):
+            assert abs(sum(w * x[a] * x[b] for w, x in e)) <= 1e-11 * (1 + scale2), (a, b)   # Cov = 0
+    var = sum(w * (sum(x) / L) ** 2 for w, x in e)                   # E[(log s + K)^2], its mean is 0
+    assert var == pytest.approx(sum(w * x[t] ** 2 for w, x in e for t in range(L)) / L ** 2, rel=1e-9, abs=1e-15)
+
+
+def test_with_eos_the_length_normalised_gap_is_not_minus_the_mean_kl():
+    """A counterexample: EOS (token 0) or one other token, at most 3 tokens. The sampler stops at
+    once with probability 0.5, the trainer with 0.9; later contexts agree. The sum identity holds,
+    but the short responses, weighted 1/|y| = 1, carry the whole gap: E_q[log s] != -E_q[K]."""
+    V, L = 2, 3
+    q = {c: torch.log(torch.tensor([0.5, 0.5], dtype=F64)) for n in range(L) for c in itertools.product(range(V), repeat=n)}
+    p = dict(q)
+    p[()] = torch.log(torch.tensor([0.9, 0.1], dtype=F64))              # they differ only at the start
+    paths = stopped_paths(q, p, V, L, eos=0)
+    assert sum(w * sum(d) for w, d, _ in paths) == pytest.approx(-sum(w * sum(k) for w, _, k in paths), rel=1e-12)
+    e_log_s = sum(w * sum(d) / len(d) for w, d, _ in paths)
+    minus_k = -sum(w * sum(k) / len(k) for w, _, k in paths)
+    assert abs(e_log_s - minus_k) > 0.05, (e_log_s, minus_k)
+
+
+# ---------------------------------------------------------------------------------------------
 # 8. Variance: geometric averaging divides the log-ratio's variance by L (independent tokens).
 # ---------------------------------------------------------------------------------------------
 @given(st.integers(1, 256), st.sampled_from([0.01, 0.1, 1.0]), st.integers(0, 2**32 - 1))
