@@ -169,7 +169,7 @@ FULL_LENGTH_PROBE = """
 import torch
 import gspo_minimal as g
 from studies import pretrained_seeds as ps
-from studies.common import smollm_gguf
+from studies.common import peak_rss_mb, smollm_gguf
 torch.manual_seed(0)
 model, tok = g.load_pretrained(smollm_gguf())
 cfg = g.settings_of([*ps.TRAIN, "--micro-batch", str(ps.ROWS_PER_PASS)])
@@ -182,7 +182,7 @@ batch = {"prompt_ids": ids, "prompt_mask": attn, "completions": torch.randint(10
 opt, _ = g.rl_optimizer(model, cfg)
 g.rl_update(model, opt, batch, cfg, 3e-4, 4e-4)
 print(rows, cfg.max_new_tokens, cfg.micro_batch)
-print(next(int(l.split()[1]) / 1024 for l in open("/proc/self/status") if l.startswith("VmHWM")))
+print(peak_rss_mb())
 """
 
 

@@ -269,7 +269,7 @@ def test_a_run_made_on_another_host_or_with_other_settings_is_made_again_and_so_
     the one this invocation's child would record (one thread, run_jobs' environment), and its
     settings equal the job's; otherwise it is made again, with one line saying why, and so is every
     job that starts from it."""
-    here = g.host_fingerprint(1, {**os.environ, **common.CHILD_ENV})
+    here = common.child_host()
     job = lambda name, needs=None: {**common.script_job(name, ["--seed", "3"], str(tmp_path), 7), "needs": needs}
 
     def leave(name, host, **config_changes):

@@ -130,19 +130,15 @@ DEFAULTS = g.Config()
 def load_checkpoint(path: str = os.path.join(TRAIN_DIR, "checkpoint")):
     """gspo_minimal.load_pretrained on a checkpoint; `make train` first when it is missing, or when
     the default run in runs/train was made on another host (its settings, a seed say, are the user's)."""
-    default = os.path.normpath(path) == os.path.join(TRAIN_DIR, "checkpoint")
     summary = os.path.join(TRAIN_DIR, "summary.json")
-    if default and os.path.isdir(path) and os.path.exists(summary):
+    if not os.path.isdir(path):
+        why = "missing"
+    elif os.path.normpath(path) == os.path.join(TRAIN_DIR, "checkpoint") and os.path.exists(summary):
         why = host_problem(read_json(summary), g.host_fingerprint())
-        if why:
-            print(f"{TRAIN_DIR}: made again: {why}", flush=True)
-            path_missing = True
-        else:
-            path_missing = False
     else:
-        path_missing = not os.path.isdir(path)
-    if path_missing:
-        print(f"no checkpoint at {path} made here: running `make train` first", flush=True)
+        why = None
+    if why:
+        print(f"the checkpoint at {path}: {why}: running `make train` first", flush=True)
         code = subprocess.run([sys.executable, "gspo_minimal.py", "--out", TRAIN_DIR]).returncode
         if code:
             fail(f"python gspo_minimal.py --out {TRAIN_DIR} exited with {code}: no checkpoint at {path}", 1)
@@ -502,22 +498,26 @@ def job_config(job: dict) -> dict | None:
     the job gives them (`argv`, or the arguments after gspo_minimal.py in its command), parsed;
     None where a job names neither."""
     import dataclasses
-    argv = job.get("argv")
-    if argv is None and any(str(c).endswith("gspo_minimal.py") for c in job["cmd"]):
-        argv = job["cmd"][[str(c).endswith("gspo_minimal.py") for c in job["cmd"]].index(True) + 1:]
+    script = next((i for i, c in enumerate(job["cmd"]) if str(c).endswith("gspo_minimal.py")), None)
+    argv = job.get("argv", None if script is None else job["cmd"][script + 1:])
     if argv is None:
         return None
     return json.loads(json.dumps(dataclasses.asdict(g.settings_of([str(a) for a in argv])), allow_nan=False))
 
 
-def reuse_problem(job: dict) -> str | None:
+def child_host() -> dict:
+    """The host fingerprint a run_jobs child records: one thread, run_jobs' environment."""
+    return g.host_fingerprint(1, {**os.environ, **CHILD_ENV})
+
+
+def reuse_problem(job: dict, host: dict | None = None) -> str | None:
     """Why this invocation cannot keep the run a job left (None: it can): not finished, made on
-    another host (its recorded fingerprint against the one this invocation's child would record:
-    one thread, run_jobs' environment), or with other settings, field by field."""
+    another host (its recorded fingerprint against `host`, the one this invocation's child would
+    record: `child_host()` unless given), or with other settings, field by field."""
     if not finished(job["done"]):
         return "not finished"
     summary = read_json(job["done"])
-    why = host_problem(summary, g.host_fingerprint(1, {**os.environ, **CHILD_ENV}))
+    why = host_problem(summary, host or child_host())
     if why:
         return why
     expected = job_config(job)
@@ -534,8 +534,9 @@ def jobs_to_run(jobs: list[dict]) -> dict[str, str]:
     whose `needs` is made again is made again too: what it started from has changed."""
     remake: dict[str, str] = {}
     made = set()
+    host = child_host()                                 # one fingerprint for every job
     for job in jobs:
-        why = reuse_problem(job)
+        why = reuse_problem(job, host)
         if why is None and job["needs"] in made:
             why = "what it starts from is made again"
         if why is not None:

@@ -32,6 +32,7 @@ import gspo_minimal as g  # noqa: E402
 from studies.common import (FIG_DIR, FIG_RUNS, FIG_STEPS, SEEDS, STYLE, Parser, accuracy_curves,  # noqa: E402
                             Ledger, cli, figure_jobs, kept_problem, read_json, read_metrics, reused_runs, run_all, run_record, variance_panels,
                             write_json)
+from studies.verify import VERIFY_DIR, verify  # noqa: E402
 
 # The files this target writes into figures/: its own outputs, left out of its dirty check
 # (gspo_minimal.tree_state, taken by studies.common.cli when it starts).
@@ -45,8 +46,6 @@ OUTPUTS = ("figures/figures.json",
            "figures/rollout_timeline.png",
            "figures/log_s_by_minibatch.png",
            "figures/reward_vs_step.png",)
-
-from studies.verify import VERIFY_DIR, verify  # noqa: E402
 
 
 # ---------------------------------------------------------------------------------------------

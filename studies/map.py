@@ -38,6 +38,7 @@ from studies import common  # noqa: E402
 from studies.common import (FIG_DIR, FIG_STEPS, SEEDS, Ledger, Parser, cli, fail, read_json,  # noqa: E402
                             read_metrics, read_summary, rewrite_json, run_jobs, script_job, warm_start, warm_start_argv,
                             write_json)
+from studies.long import LONG_STEPS, warm_dir as long_warm_dir  # noqa: E402
 
 # The files this target writes into figures/: its own outputs, left out of its dirty check
 # (gspo_minimal.tree_state, taken by studies.common.cli when it starts).
@@ -45,7 +46,6 @@ OUTPUTS = ("figures/map.json",
            "figures/map.png",
            "figures/map_prototype.json",)
 
-from studies.long import LONG_STEPS, warm_dir as long_warm_dir  # noqa: E402
 
 MAP_RUNS = "runs/map"
 MAP_JSON = os.path.join(FIG_DIR, "map.json")

@@ -255,8 +255,8 @@ def pretrained_seeds(trl_python: str) -> dict:
 # each phase's own peak resident memory recorded, into pretrained_seeds.json's `peak_by_phase`
 # ---------------------------------------------------------------------------------------------
 PHASE_RUN = "grpo_s0"                      # the run whose peak was the highest (4,102 MiB)
-PHASES = {"build": ("prepare",), "rollout": ("rollout",), "update": ("rl_update",),
-          "evaluation": ("accuracy",)}     # phase -> the gspo_minimal functions it spans
+PHASES = {"build": "prepare", "rollout": "rollout", "update": "rl_update",
+          "evaluation": "accuracy"}        # phase -> the gspo_minimal function it spans
 
 
 def phase_peaks(args: list[str]) -> dict:
@@ -265,7 +265,7 @@ def phase_peaks(args: list[str]) -> dict:
     start; and each rollout's padded completion length (the longest answer of the step)."""
     calls: dict[str, list] = {name: [] for name in PHASES}
     lengths = []
-    originals = {fn: getattr(g, fn) for fns in PHASES.values() for fn in fns}
+    originals = {fn: getattr(g, fn) for fn in PHASES.values()}
 
     def watched(phase, fn):
         def run(*a, **k):
@@ -281,9 +281,8 @@ def phase_peaks(args: list[str]) -> dict:
                                 "mean_tokens": out["mask"].sum(-1).double().mean().item()})
             return out
         return run
-    for phase, fns in PHASES.items():
-        for fn in fns:
-            setattr(g, fn, watched(phase, originals[fn]))
+    for phase, fn in PHASES.items():
+        setattr(g, fn, watched(phase, originals[fn]))
     try:
         code = g.main(args)
     finally:
@@ -293,7 +292,7 @@ def phase_peaks(args: list[str]) -> dict:
             "peak_mb": {phase: max((c["peak_mb"] for c in cs), default=None) for phase, cs in calls.items()}}
 
 
-def phases(trl_python: str | None = None) -> int:
+def phases() -> int:
     """make pretrained-seeds PHASES=1: PHASE_RUN again in a process of its own with phase_peaks,
     written into figures/pretrained_seeds.json's `peak_by_phase` (its own provenance; the rest of
     the file, and its runs, stay as measured)."""
@@ -350,7 +349,7 @@ def main(argv=None) -> int:
     from transformers.utils import logging as hf_logging
     hf_logging.disable_progress_bar()
     if args.what == "phases":
-        return phases(args.trl_python)
+        return phases()
     pretrained_seeds(args.trl_python)
     return 0
 
