@@ -1813,7 +1813,7 @@ def test_the_data_example_runs_the_tutorials_command():
 
 # --- provenance of the committed results ------------------------------------------------------------
 KEPT_COPIES = ("figures/figures_earlier_runs.json", "figures/pretrained_missed_goal.json",
-               "figures/pretrained_previous_rollout.json")      # earlier results kept beside their remake
+               "figures/pretrained_previous_rollout.json", "figures/long_earlier_runs.json")   # earlier results kept beside their remake
 
 
 def test_every_committed_result_says_where_and_from_what_tree_it_was_made():
@@ -1844,3 +1844,28 @@ def test_each_committed_figure_file_is_one_targets_own_output():
             owners[out] = study.__name__
     committed = subprocess.run(["git", "-C", HERE, "ls-files", "figures"], capture_output=True, text=True).stdout.split()
     assert set(committed) - set(KEPT_COPIES) == set(owners), set(committed) ^ set(owners)
+
+
+def test_the_long_rerun_repeats_every_number_of_the_earlier_runs_but_times():
+    """figures/long.json, every run made afresh on a recorded host, against the earlier file drawn
+    from reused runs of an unknown host: every value equal but times and provenance."""
+    with open(os.path.join(HERE, "figures", "long.json")) as f:
+        new = json.load(f)
+    with open(os.path.join(HERE, "figures", "long_earlier_runs.json")) as f:
+        old = json.load(f)
+    timing = re.compile(r"seconds|^command$|^measured_at_commit$|^host$|^provenance_note$|^runs_reused$|^versions$|^threads$|^dirty")
+    differ = []
+
+    def walk(a, b, path):
+        if isinstance(a, dict) and isinstance(b, dict):
+            for k in set(a) | set(b):
+                if not timing.search(k):
+                    walk(a.get(k), b.get(k), f"{path}.{k}")
+        elif isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
+            for i, (x, y) in enumerate(zip(a, b)):
+                walk(x, y, f"{path}[{i}]")
+        elif a != b:
+            differ.append(path)
+    walk(new, old, "")
+    assert not differ, differ[:10]
+    assert new["runs_reused"] == [] and old["host"] is None and new["host"]["cpu"]["model"]
