@@ -152,14 +152,31 @@ class Config:
     """sampling temperature, 0.01 to 100; the policy's log-probs use logits / temperature, so s = 1
     on-policy"""
     sampler_dtype: str = "float32"
-    """precision of the model that samples the rollouts: float32 (the trainer's own model) or
-    bfloat16 (a bf16 copy of it, weights and activations, made before each rollout, as an inference
-    engine such as vLLM holds weights of its own; on CUDA it needs bf16 support, on a CPU without
-    bf16 instructions it runs, slowly)"""
+    """precision of the model that samples the rollouts: float32 (the trainer's own model), bfloat16
+    or float16 (a copy of it in that dtype, weights and activations, made before each rollout, as an
+    inference engine such as vLLM holds weights of its own; on CUDA it needs support for the dtype,
+    on a CPU without bf16 or fp16 instructions it runs, slowly)"""
+    top_p: float = 1.0
+    """nucleus sampling: sample from the smallest set of most likely tokens whose probability
+    reaches top_p, renormalised (1.0: off). The sampler's record is then the log-prob under that
+    truncated distribution; the trainer's pass keeps the full softmax"""
     old_logprobs: str = "trainer"
     """where log pi_old comes from: trainer (the trainer's own pass over the rollout) or sampler (the
     log-probs the sampler recorded while sampling, for every minibatch, the first included: the
     trainer's pre-update pass is skipped, as trainers fed by vLLM or SGLang do)"""
+    is_correction: str = "none"
+    """correct the sampler-trainer mismatch with a detached weight on each token's loss term, from
+    the trainer's pi_old against the sampler's record (TRL 1.16's vllm_importance_sampling_mode of
+    the same name): token_truncate, token_mask (each token's ratio), sequence_truncate,
+    sequence_mask (the response's probability ratio, a product), or sequence_geometric_mask (verl's
+    geometric rejection: a response is dropped when its per-token mean ratio leaves [clip_min,
+    clip_max]). Needs --sampler-dtype other than float32 and --old-logprobs trainer; gspo,
+    gspo-token and grpo only"""
+    is_clip_max: float | None = None
+    """upper bound of --is-correction's weight: *_truncate clamps to it, *_mask drops above it;
+    default 3.0 (TRL's), 1.001 for sequence_geometric_mask (verl's preset)"""
+    is_clip_min: float | None = None
+    """lower bound, likewise; default none, 1/1.001 for sequence_geometric_mask"""
     out: str = "runs/train"
     """output folder: metrics.jsonl, summary.json and checkpoint/ (Hugging Face format); the run
     writes <out>.incomplete until its first checkpoint, holds <out>.lock while it lives (a second
@@ -190,6 +207,9 @@ LOSSES = ("gspo", "gspo-token", "grpo", "gmpo", "sapo", "sapo-seq", "cispo", "lu
 AGGREGATIONS = ("paper", "dapo", "dr_grpo")
 TASKS = ("add2", "add3", "mul2", "addwork", "add2-chat")
 REWARDS = ("exact", "last-number")      # --data's
+SAMPLER_DTYPES = ("float32", "bfloat16", "float16")
+IS_CORRECTIONS = ("none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask",
+                  "sequence_geometric_mask")
 # addwork's answers are 15 to 60 tokens instead of 2 to 4: room to write them; a smaller warm-up
 # batch at a higher rate (results.md, "Notes on the runs", lists the settings tried), stopped a
 # little later, at 0.4, so that fewer groups start flat; 60 RL steps, validated every 5, so that one
@@ -207,6 +227,14 @@ def resolved_eps(cfg: Config) -> tuple[float | None, float | None]:
     low, high = DEFAULT_EPS[cfg.loss]
     return (low if cfg.eps_low is None else cfg.eps_low,
             high if cfg.eps_high is None else cfg.eps_high)
+
+
+def is_bounds(cfg: Config) -> tuple[float | None, float | None]:
+    """--is-correction's (clip_min, clip_max): TRL's defaults (none, 3.0), or for
+    sequence_geometric_mask verl's preset (1/1.001, 1.001)."""
+    low, high = (1 / 1.001, 1.001) if cfg.is_correction == "sequence_geometric_mask" else (None, 3.0)
+    return (low if cfg.is_clip_min is None else cfg.is_clip_min,
+            high if cfg.is_clip_max is None else cfg.is_clip_max)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -451,14 +479,34 @@ def completion_mask(completions: torch.Tensor, eos_id: int) -> torch.Tensor:
     return ~eos_before
 
 
+# Nucleus sampling (top-p): draw only from the smallest set of most likely tokens whose probability
+# reaches p, renormalised: q(v) = pi(v) / Z for v in the set, Z = its mass >= p, 0 elsewhere. The
+# sampler's record log q(y_t) = log pi(y_t) - log Z_t then sits above the full softmax's log pi(y_t)
+# by the truncation bias -log Z_t >= 0 at every token, and KL(q || pi) = -log Z_t exactly.
+def nucleus_logprobs(logits: torch.Tensor, temperature: float, top_p: float = 1.0) -> torch.Tensor:
+    """(..., V) logits -> log q of the distribution the sampler draws from (..., V), float32:
+    log_softmax(logits / temperature), truncated to the nucleus and renormalised when top_p < 1
+    (-inf outside it). The most likely token is always kept."""
+    logp = torch.log_softmax(logits.float() / temperature, dim=-1)
+    if top_p >= 1:
+        return logp
+    ranked, order = logp.sort(dim=-1, descending=True)
+    above = ranked.exp().cumsum(-1) - ranked.exp()           # the mass of every more likely token
+    drop = torch.zeros_like(above, dtype=torch.bool).scatter(-1, order, above >= top_p)
+    logp = logp.masked_fill(drop, -float("inf"))
+    return logp - logp.logsumexp(-1, keepdim=True)
+
+
 @torch.no_grad()
 def sample_completions(model, prompt_ids, prompt_mask, max_new_tokens: int, eos_id: int,
                        pad_id: int, *, temperature: float = 1.0, suppress_eos: bool = False,
-                       group_size: int = 1, with_logprobs: bool = False, rows: int = 0):
+                       group_size: int = 1, with_logprobs: bool = False, rows: int = 0,
+                       top_p: float = 1.0):
     """Sample one completion per row; temperature 0 is greedy. Returns (B, T) token ids, T <= max_new;
     with `with_logprobs`, also the sampler's own record of their log-probs, (B, T) float32 (0 after a
     row's EOS): log_softmax(logits.float() / temperature), the formula `policy_logprobs` uses, so
-    the record differs from the trainer's only where the two models' arithmetic does.
+    the record differs from the trainer's only where the two models' arithmetic does. With `top_p`
+    < 1 it samples from the nucleus and records log q under it (`nucleus_logprobs`).
 
     `group_size` G: the rows come in groups of G identical prompts (a rollout's layout), so the
     prompt is run through the model once per group and its KV cache repeated G times.
@@ -478,7 +526,8 @@ def sample_completions(model, prompt_ids, prompt_mask, max_new_tokens: int, eos_
     G = group_size
     step = max(G, rows // G * G) if rows else len(prompt_ids)
     if step < len(prompt_ids):
-        kw = dict(temperature=temperature, suppress_eos=suppress_eos, group_size=G, with_logprobs=with_logprobs)
+        kw = dict(temperature=temperature, suppress_eos=suppress_eos, group_size=G, with_logprobs=with_logprobs,
+                  top_p=top_p)
         pieces = [sample_completions(model, prompt_ids[i:i + step], prompt_mask[i:i + step], max_new_tokens,
                                      eos_id, pad_id, **kw) for i in range(0, len(prompt_ids), step)]
         pieces = [p if with_logprobs else (p,) for p in pieces]      # (completions[, record]) each
@@ -498,7 +547,11 @@ def sample_completions(model, prompt_ids, prompt_mask, max_new_tokens: int, eos_
     for _ in range(max_new_tokens):
         if suppress_eos:
             logits[:, eos_id] = -float("inf")
-        if temperature > 0:
+        nucleus = temperature > 0 and top_p < 1
+        if nucleus:
+            logq = nucleus_logprobs(logits, temperature, top_p)    # (B, V)
+            nxt = torch.multinomial(logq.exp(), 1).squeeze(-1)     # (B,)
+        elif temperature > 0:
             probs = torch.softmax(logits.float() / temperature, dim=-1)
             nxt = torch.multinomial(probs, 1).squeeze(-1)          # (B,)
         else:
@@ -507,7 +560,8 @@ def sample_completions(model, prompt_ids, prompt_mask, max_new_tokens: int, eos_
         out.append(nxt)
         if with_logprobs:
             scaled = logits.float() / temperature if temperature > 0 else logits.float()
-            logp = torch.log_softmax(scaled, dim=-1).gather(-1, nxt[:, None]).squeeze(-1)   # (B,)
+            logq = logq if nucleus else torch.log_softmax(scaled, dim=-1)
+            logp = logq.gather(-1, nxt[:, None]).squeeze(-1)       # (B,)
             record.append(torch.where(done, 0.0, logp))
         done |= nxt == eos_id
         if done.all():
@@ -677,11 +731,15 @@ def _token_sum(term: torch.Tensor, keep: torch.Tensor, num_tokens) -> torch.Tens
 # equally (its paper motivates the 1/|y| inside s by variance and a common numerical range of s), while
 # DAPO, Dr. GRPO and LUSPO weight by length. GSPO under dapo or dr_grpo is LUSPO up to a constant:
 # luspo_loss = mean|y| x gspo_loss(dapo) = max_tokens x gspo_loss(dr_grpo) (tutorial section 11).
-def aggregate(term, keep, aggregation: str = "paper", *, num_tokens=None, max_tokens=None):
+def aggregate(term, keep, aggregation: str = "paper", *, num_tokens=None, max_tokens=None, weight=None):
     """term (B,) or (B, T), keep (B, T) bool -> the scalar loss (sign flipped). num_tokens: dapo's
-    N (default: this batch's tokens); max_tokens: dr_grpo's (default: T, the mask's width)."""
-    if term.dim() == 1 and aggregation != "paper":         # one term per sequence: on each token
-        term = term.unsqueeze(-1).expand_as(keep)
+    N (default: this batch's tokens); max_tokens: dr_grpo's (default: T, the mask's width). weight
+    (B, T), detached: --is-correction's, multiplied onto each token's term first (a sequence's
+    term then counts mean_t(w_t) times under paper, as in TRL)."""
+    if term.dim() == 1 and (aggregation != "paper" or weight is not None):   # one term per sequence:
+        term = term.unsqueeze(-1).expand_as(keep)                             # on each token
+    if weight is not None:
+        term = term * weight
     if aggregation == "paper":          # an empty row's token mean is 0: it adds nothing either way
         return _per_row(term, keep) if term.dim() == 1 else -masked_mean(term, keep).mean()
     if aggregation == "dapo":
@@ -704,17 +762,18 @@ def clipped_on_active_side(ratio, adv, eps_low: float, eps_high: float) -> torch
 
 # J_GSPO = (1/G) sum_i min(s_i A_i, clip(s_i, 1-eps_low, 1+eps_high) A_i)                (eq. 5)
 def gspo_loss(logp_new, logp_old, advantages, mask, eps_low: float = 3e-4, eps_high: float = 4e-4,
-              *, aggregation: str = "paper", num_tokens=None, max_tokens=None) -> torch.Tensor:
+              *, aggregation: str = "paper", num_tokens=None, max_tokens=None, weight=None) -> torch.Tensor:
     """GSPO: one clipped term per sequence, mean over sequences. (B, T) log-probs, (B,) advantages.
 
     Its gradient is (eq. 10) s_i A_i (1/|y_i|) sum_t grad log pi(y_it): every token of a response
     shares one weight. An empty row adds nothing (explicit `where`: the clipped term at s = 1 would
     add A), but still counts in the 1/B, as the paper's 1/G does. `aggregation` other than "paper"
-    reweights the sequences (`aggregate`).
+    reweights the sequences (`aggregate`); so does `weight`, --is-correction's (`correction_weight`).
     """
     s = importance_ratio(logp_new, logp_old, mask)                     # (B,)
     per_seq = _clipped_surrogate(s, advantages, eps_low, eps_high)     # (B,)
-    return aggregate(per_seq, mask != 0, aggregation, num_tokens=num_tokens, max_tokens=max_tokens)
+    return aggregate(per_seq, mask != 0, aggregation, num_tokens=num_tokens, max_tokens=max_tokens,
+                     weight=weight)
 
 
 def _per_token(advantages: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -726,7 +785,7 @@ def _per_token(advantages: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 # J = (1/G) sum_i (1/|y_i|) sum_t min(s_it A_it, clip(s_it, 1-eps_low, 1+eps_high) A_it)
 def gspo_token_loss(logp_new, logp_old, advantages, mask, eps_low: float = 3e-4,
                     eps_high: float = 4e-4, *, aggregation: str = "paper", num_tokens=None,
-                    max_tokens=None) -> torch.Tensor:
+                    max_tokens=None, weight=None) -> torch.Tensor:
     """GSPO-token: every s_it has the VALUE s_i (so clipping is decided per sequence) and the
     GRADIENT s_i * grad log pi(y_it), which lets each token carry its own advantage A_it.
     With A_it = A_i it equals GSPO in value and gradient (eqs. 15-17)."""
@@ -735,22 +794,54 @@ def gspo_token_loss(logp_new, logp_old, advantages, mask, eps_low: float = 3e-4,
     own = torch.where(keep, logp_new - logp_new.detach(), torch.zeros_like(logp_new))  # 0, grad 1
     s_tok = s.unsqueeze(-1) * torch.exp(own)                           # (B, T), value s_i
     per_tok = _clipped_surrogate(s_tok, _per_token(advantages, s_tok), eps_low, eps_high)
-    return aggregate(per_tok, keep, aggregation, num_tokens=num_tokens, max_tokens=max_tokens)
+    return aggregate(per_tok, keep, aggregation, num_tokens=num_tokens, max_tokens=max_tokens, weight=weight)
 
 
 # w_it = pi_new(y_it) / pi_old(y_it)
 # J_GRPO = (1/G) sum_i (1/|y_i|) sum_t min(w_it A_i, clip(w_it, 1-eps_low, 1+eps_high) A_i)   (eq. 2;
 # the paper writes one eps, the asymmetric band is DAPO's "clip-higher", as in its GRPO baseline)
 def grpo_loss(logp_new, logp_old, advantages, mask, eps_low: float = 0.2, eps_high: float = 0.27,
-              *, aggregation: str = "paper", num_tokens=None, max_tokens=None) -> torch.Tensor:
+              *, aggregation: str = "paper", num_tokens=None, max_tokens=None, weight=None) -> torch.Tensor:
     """GRPO: every token clipped on its own ratio; per-row token mean, then mean over rows
     (`aggregation` "paper"; "dapo" and "dr_grpo" sum over tokens instead, `aggregate`)."""
     log_w, keep = _deltas(logp_new, logp_old, mask)                          # (B, T)
     per_tok = _clipped_surrogate(torch.exp(log_w), _per_token(advantages, log_w), eps_low, eps_high)
-    return aggregate(per_tok, keep, aggregation, num_tokens=num_tokens, max_tokens=max_tokens)
+    return aggregate(per_tok, keep, aggregation, num_tokens=num_tokens, max_tokens=max_tokens, weight=weight)
 
 
 LOSS_FNS = {"gspo": gspo_loss, "gspo-token": gspo_token_loss, "grpo": grpo_loss}
+
+
+# Correcting the engine gap (--is-correction, with the trainer's pi_old): y was drawn from the
+# sampler q, and the update treats it as drawn from pi_old. A detached weight on each token's loss
+# term moves it back, from d_t = log pi_old(y_t) - log q(y_t):
+#   token_truncate, token_mask:         w_t = exp(d_t)           each token's own ratio
+#   sequence_truncate, sequence_mask:   w_t = exp(sum_t d_t)     pi_old(y) / q(y), the whole response
+#   sequence_geometric_mask:            w_t = 1 if exp(mean_t d_t) in [lo, hi], else 0
+# *_truncate clamps w into [lo, hi], *_mask sets it to 0 outside (TRL 1.16's modes of these names).
+# The geometric one is verl's rejection by the per-token mean, pure rejection (no weight): mean_t d_t
+# is the engine's own log s, so it keeps a response only inside a band, on the scale of GSPO's. A
+# sum grows with |y| where a mean does not: the sequence modes shrink or drop long responses.
+def correction_weight(logp_old, logp_sampler, mask, mode: str, clip_min: float | None = None,
+                      clip_max: float | None = 3.0) -> torch.Tensor:
+    """(B, T) log-probs of the sampled tokens under the trainer's pi_old and as the sampler recorded
+    them -> (B, T) the detached weight of `mode` (what it holds at masked positions, the loss ignores)."""
+    d, keep = _deltas(logp_old.detach(), logp_sampler, mask)                    # (B, T)
+    if mode in ("token_truncate", "token_mask"):
+        log_w = d
+    elif mode in ("sequence_truncate", "sequence_mask"):
+        log_w = d.sum(-1, keepdim=True).expand_as(d)
+    elif mode == "sequence_geometric_mask":
+        log_w = masked_mean(d, keep).unsqueeze(-1).expand_as(d)
+    else:
+        raise ValueError(f"--is-correction must be one of {IS_CORRECTIONS[1:]}, got {mode!r}")
+    w = torch.exp(log_w)
+    if mode.endswith("truncate"):
+        return w.clamp(min=clip_min, max=clip_max) if (clip_min, clip_max) != (None, None) else w
+    outside = ((w < clip_min) if clip_min is not None else torch.zeros_like(keep)) | (
+        (w > clip_max) if clip_max is not None else torch.zeros_like(keep))
+    kept = torch.ones_like(w) if mode == "sequence_geometric_mask" else w
+    return torch.where(outside, torch.zeros_like(w), kept)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -891,13 +982,17 @@ def gate_weight(loss: str, logp_new, logp_old, advantages, mask) -> torch.Tensor
 
 
 def loss_value(loss: str, logp_new, logp_old, advantages, mask, eps_low, eps_high, num_tokens, *,
-               aggregation: str = "paper", max_tokens=None):
+               aggregation: str = "paper", max_tokens=None, weight=None):
     """The objective `loss` names, with the clip widths rl_update resolved (GMPO's in log space,
     CISPO's eps_high its cap), the token count the token-normalised losses divide by, and the
-    aggregation of GSPO, GSPO-token and GRPO (the relatives have their own)."""
+    aggregation of GSPO, GSPO-token and GRPO (the relatives have their own), and for those three
+    --is-correction's `weight`."""
     if loss in LOSS_FNS:
         return LOSS_FNS[loss](logp_new, logp_old, advantages, mask, eps_low, eps_high,
-                              aggregation=aggregation, num_tokens=num_tokens, max_tokens=max_tokens)
+                              aggregation=aggregation, num_tokens=num_tokens, max_tokens=max_tokens,
+                              weight=weight)
+    if weight is not None:
+        raise ValueError(f"--is-correction is for gspo, gspo-token and grpo, not {loss}")
     args = (logp_new, logp_old, advantages, mask)
     return {"gmpo": lambda: gmpo_loss(*args, eps=(eps_low, eps_high)),
             "sapo": lambda: sapo_loss(*args, level="token"),
@@ -926,18 +1021,21 @@ def encode_prompts(tokenizer, texts: list[str], device) -> tuple[torch.Tensor, t
     return enc.input_ids.to(device), enc.attention_mask.to(device)
 
 
-def policy_logprobs(model, prompt_ids, prompt_mask, completions, *, temperature: float = 1.0):
-    """log pi(y_t | x, y_<t) for every completion position: (B, T), differentiable.
-
-    One forward pass over prompt + completion; logits_to_keep skips the prompt's logits, whose
-    (B, P, V) tensor would dominate memory with a real vocabulary.
-    """
+def completion_logits(model, prompt_ids, prompt_mask, completions) -> torch.Tensor:
+    """The logits that predict each completion token, (B, T, V), from one forward pass over prompt +
+    completion; logits_to_keep skips the prompt's logits, whose (B, P, V) tensor would dominate
+    memory with a real vocabulary."""
     ids = torch.cat([prompt_ids, completions], dim=1)                    # (B, P+T)
     attn = torch.cat([prompt_mask.long(), torch.ones_like(completions)], dim=1)
     pos = (attn.cumsum(-1) - 1).clamp(min=0)
     T = completions.shape[1]
-    logits = model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=False,
-                   logits_to_keep=T + 1).logits[:, :-1]                 # (B, T, V): predicts y_1..y_T
+    return model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=False,
+                 logits_to_keep=T + 1).logits[:, :-1]                   # (B, T, V): predicts y_1..y_T
+
+
+def policy_logprobs(model, prompt_ids, prompt_mask, completions, *, temperature: float = 1.0):
+    """log pi(y_t | x, y_<t) for every completion position: (B, T), differentiable."""
+    logits = completion_logits(model, prompt_ids, prompt_mask, completions)   # (B, T, V)
     if temperature > 0:                        # 0 leaves the logits as they are (the warm-up's NLL)
         logits = logits / temperature          # the sampler's distribution, so s = 1 on-policy
     return token_logprobs(logits, completions)
@@ -1039,12 +1137,47 @@ def warmup(model, tokenizer, splits, cfg: Config, device, rng: random.Random, ru
 # ---------------------------------------------------------------------------------------------
 def sampling_model(model, cfg: Config):
     """The model that samples a rollout: the policy itself (--sampler-dtype float32), or a copy of it
-    cast to bfloat16, weights and activations (`.to(torch.bfloat16)`), made now from the current
+    cast to bfloat16 or float16, weights and activations (`.to(dtype)`), made now from the current
     weights, as an inference engine holds weights of its own. Its log-probs of the same tokens
     differ from the trainer's by the engine gap (`engine_gap`)."""
     if cfg.sampler_dtype == "float32":
         return model
-    return copy.deepcopy(model).to(torch.bfloat16)
+    return copy.deepcopy(model).to(getattr(torch, cfg.sampler_dtype))
+
+
+def engine_differs(cfg: Config) -> bool:
+    """Whether the sampler draws from another distribution than the trainer's by construction:
+    another dtype, or a nucleus (--top-p). Such runs log the engine's KL and log s."""
+    return cfg.sampler_dtype != "float32" or cfg.top_p < 1
+
+
+KL_ELEMENTS = 2 ** 22      # logits per piece of `engine_kl_tokens`: 16 MiB in float32, any vocabulary
+
+
+# The engine gap, exactly: at each position the sampler draws from q_t, the trainer holds p_t, and
+#   KL(q_t || p_t) = sum_v q_t(v) (log q_t(v) - log p_t(v)) >= 0     over the whole vocabulary.
+# The sampled token's gap d_t = log p_t(y_t) - log q_t(y_t) has mean E_q[d_t] = -KL(q_t || p_t): a
+# sampler that differs from the trainer biases log s downwards, by the mean KL at a fixed length.
+@torch.no_grad()
+def engine_kl_tokens(sampler, trainer, batch: dict, cfg: Config) -> float:
+    """Mean KL(sampler || trainer) per completion token over a minibatch's worth of the rollout (its
+    first B / minibatches rows, whole groups), at theta_old. The sampler's q is `nucleus_logprobs` of
+    its logits from one full pass over the sampled tokens (the record came from its token-by-token
+    pass with a KV cache, which in bf16 differs in the last bits); pieces of rows hold at most
+    KL_ELEMENTS logits, so a real vocabulary stays small."""
+    G = cfg.group_size
+    n = max(1, len(batch["rewards"]) // G // cfg.minibatches) * G
+    T = batch["completions"].shape[1]
+    step = max(1, KL_ELEMENTS // (T * trainer.get_output_embeddings().weight.shape[0]))
+    total, count = 0.0, 0
+    for i in range(0, n, step):
+        args = [batch[k][i:min(i + step, n)] for k in ("prompt_ids", "prompt_mask", "completions")]
+        logq = nucleus_logprobs(completion_logits(sampler, *args), cfg.temperature, cfg.top_p)  # (b, T, V)
+        logp = torch.log_softmax(completion_logits(trainer, *args).float() / cfg.temperature, dim=-1)
+        kl = torch.where(logq > -float("inf"), logq.exp() * (logq - logp), 0.0).sum(-1)         # (b, T)
+        keep = batch["mask"][i:min(i + step, n)] != 0
+        total, count = total + kl[keep].sum().item(), count + keep.sum().item()
+    return total / max(count, 1)
 
 
 @torch.no_grad()
@@ -1057,7 +1190,7 @@ def rollout(model, tokenizer, problems, cfg: Config, device) -> dict:
     completions, sampled = sample_completions(model, prompt_ids, prompt_mask, cfg.max_new_tokens,
                                               tokenizer.eos_token_id, tokenizer.pad_token_id,
                                               temperature=cfg.temperature, group_size=G,
-                                              with_logprobs=True,                  # (B, T) each
+                                              top_p=cfg.top_p, with_logprobs=True,   # (B, T) each
                                               rows=SAMPLE_TOKENS // cfg.max_new_tokens if cfg.micro_batch else 0)
     mask = completion_mask(completions, tokenizer.eos_token_id)                    # (B, T)
     answers = [answer_text(task, a, b) for a, b in problems for _ in range(G)]
@@ -1116,10 +1249,17 @@ def ratio_metrics(logp_new, logp_old, adv, mask, loss: str, eps_low: float, eps_
     if seq_clipped is None:
         seq_clipped = tok_clipped.any(-1)
     log_s = sequence_log_ratio(logp_new, logp_old, mask)[keep.any(-1)]
+    by_sign = {}                                # the same counts among responses with A > 0, A < 0
+    for side, rows in (("pos", adv > 0), ("neg", adv < 0)):
+        by_sign.update({f"n_clip_seqs_{side}": (seq_clipped & rows).sum().item(),
+                        f"n_seqs_{side}": (rows & keep.any(-1)).sum().item(),
+                        f"n_clip_tokens_{side}": (tok_clipped & rows.unsqueeze(-1)).sum().item(),
+                        f"n_tokens_{side}": (keep & rows.unsqueeze(-1)).sum().item()})
     return {"s": s, "form_gap": form_gap(logp_new, logp_old, mask).max().item(),   # counts, not shares:
             "n_clip_tokens": tok_clipped.sum().item(), "n_tokens": keep.sum().item(),
             "n_clip_seqs": seq_clipped.sum().item(), "n_gate_tokens": gated.sum().item(),
-            "abs_log_s_q": quantiles(log_s.abs()), "abs_token_log_ratio_q": quantiles(delta[keep].abs())}
+            "abs_log_s_q": quantiles(log_s.abs()), "abs_token_log_ratio_q": quantiles(delta[keep].abs()),
+            **by_sign}
 
 
 def group_chunks(n_rows: int, group_size: int, minibatches: int, device) -> list[torch.Tensor]:
@@ -1132,6 +1272,9 @@ def group_chunks(n_rows: int, group_size: int, minibatches: int, device) -> list
             for grp in groups]
 
 
+ENGINE_KEYS = ("engine_gap_tokens", "engine_gap_seqs", "engine_log_s_mean", "engine_kl_tokens")
+
+
 def summarise_minibatches(logs: list[dict]) -> dict:
     """One step's metrics from its minibatches' `ratio_metrics` (each with "loss", "n_clip_ceiling").
 
@@ -1139,7 +1282,10 @@ def summarise_minibatches(logs: list[dict]) -> dict:
     exceeds it, whatever the band. `grad_norm` is the largest of the minibatches' gradient norms
     (before clipping); `clip_seqs_by_minibatch` holds, per minibatch in order, its share of clipped
     sequences, and `abs_log_s_q` and `abs_token_log_ratio_q` the `quantiles` of |log s| and of the
-    token log-ratios |delta_t|; the engine gap is minibatch 1's.
+    token log-ratios |delta_t|; the engine gap is minibatch 1's. Where the sampler differs from the
+    trainer (`engine_differs`: minibatch 1 then carries `engine_log_s_mean`), also the clip shares
+    among responses and tokens with A > 0 and with A < 0 (`clip_seqs_pos_adv`, ...), and
+    --is-correction's mean weight and share of tokens weighted 0 where it is on.
     """
     s = torch.cat([m["s"] for m in logs])                                  # (B,)
     tokens = max(sum(m["n_tokens"] for m in logs), 1)
@@ -1152,7 +1298,12 @@ def summarise_minibatches(logs: list[dict]) -> dict:
             "masked_seqs": sum(m.get("n_masked_seqs", 0) for m in logs) / len(s),
             "form_gap": max(m["form_gap"] for m in logs),
             **({"grad_norm": max(m["grad_norm"] for m in logs)} if "grad_norm" in logs[0] else {}),
-            **{k: logs[0][k] for k in ("engine_gap_tokens", "engine_gap_seqs") if k in logs[0]},
+            **{k: logs[0][k] for k in ENGINE_KEYS if k in logs[0]},
+            **({f"clip_{unit}_{side}_adv": sum(m[f"n_clip_{unit}_{side}"] for m in logs)
+                / max(sum(m[f"n_{unit}_{side}"] for m in logs), 1)
+                for unit in ("seqs", "tokens") for side in ("pos", "neg")} if "engine_log_s_mean" in logs[0] else {}),
+            **({"is_weight_mean": sum(m["is_weight_sum"] for m in logs) / tokens,
+                "is_masked_tokens": sum(m["n_is_zero"] for m in logs) / tokens} if "is_weight_sum" in logs[0] else {}),
             "clip_seqs_by_minibatch": [m["n_clip_seqs"] / len(m["s"]) for m in logs],
             "abs_log_s_q": [m["abs_log_s_q"] for m in logs],
             "abs_token_log_ratio_q": [m["abs_token_log_ratio_q"] for m in logs]}
@@ -1214,7 +1365,7 @@ def rl_update(model, opt, batch: dict, cfg: Config, eps_low: float, eps_high: fl
     logs = []
     for k, idx in enumerate(chunks):
         opt.zero_grad(set_to_none=True)
-        seen, loss = [], 0.0
+        seen, corrected, loss = [], [], 0.0
         for part in micro_batches(idx, rows):
             logp_new = logprobs(part)
             # chunk 1 in trainer mode: nothing has changed yet, its own pass is pi_old (s = 1)
@@ -1224,8 +1375,12 @@ def rl_update(model, opt, batch: dict, cfg: Config, eps_low: float, eps_high: fl
             if cfg.off_policy_mask is not None:           # DeepSeek-V3.2: drop drifted A < 0 responses
                 kept = off_policy_sequence_mask(logp_new, logp_old, adv, mask, cfg.off_policy_mask)
                 dropped, mask = (~kept & mask.any(-1)).sum().item(), mask & kept.unsqueeze(-1)
+            weight = None
+            if cfg.is_correction != "none":     # y came from the sampler: weigh it towards pi_old
+                weight = correction_weight(logp_old, record[part], mask, cfg.is_correction, *is_bounds(cfg))
+                corrected.append(((weight * mask).sum().item(), ((weight == 0) & mask).sum().item()))
             piece = loss_value(cfg.loss, logp_new, logp_old, adv, mask, eps_low, eps_high, num_tokens,
-                               aggregation=cfg.aggregation, max_tokens=cfg.max_new_tokens)
+                               aggregation=cfg.aggregation, max_tokens=cfg.max_new_tokens, weight=weight)
             if len(part) < len(idx) and row_share(cfg.loss, cfg.aggregation):
                 piece = piece * (len(part) / len(idx))
             piece.backward()                  # gradients add up across the pieces of one chunk
@@ -1238,8 +1393,14 @@ def rl_update(model, opt, batch: dict, cfg: Config, eps_low: float, eps_high: fl
         logp_new, logp_old, adv, mask = (torch.cat(x) for x in list(zip(*seen))[:4])
         gap = {}
         if k == 0 and record is not None:   # the trainer's pass at theta_old, which ran anyway
-            gap = dict(zip(("engine_gap_tokens", "engine_gap_seqs"),
-                           engine_gap(logp_new, record[idx], batch["mask"][idx] != 0)))
+            full = batch["mask"][idx] != 0
+            gap = dict(zip(("engine_gap_tokens", "engine_gap_seqs"), engine_gap(logp_new, record[idx], full)))
+            if engine_differs(cfg):         # signed: the mean log s the sampler hands the update
+                gap["engine_log_s_mean"] = sequence_log_ratio(logp_new, record[idx], full)[full.any(-1)].mean().item()
+                if "engine_kl_tokens" in batch:      # train() measured it as the rollout ended
+                    gap["engine_kl_tokens"] = batch["engine_kl_tokens"]
+        if corrected:
+            gap.update(is_weight_sum=sum(c[0] for c in corrected), n_is_zero=sum(c[1] for c in corrected))
         # a token can clip only off-policy (s = 1 in chunk 1 unless pi_old is the sampler's record)
         # and only with A != 0 (no flat group)
         could_clip = 0 if k == 0 and not from_sampler else (mask & (adv != 0).unsqueeze(-1)).sum().item()
@@ -1312,9 +1473,14 @@ def train(cfg: Config, model, tokenizer, device, run, stop) -> dict:
             t0 = time.perf_counter()
             # Rollout: G completions for each of `prompts_per_step` fresh training problems, their
             # rewards, and the group advantages. The model as it is now is pi_old; it samples, or
-            # (--sampler-dtype bfloat16) a bf16 copy of it does, as an inference engine would.
+            # (--sampler-dtype bfloat16 or float16) a copy of it in that dtype does, as an inference
+            # engine would.
             problems = sample_train_problems(splits, task, cfg.prompts_per_step, rng)
-            batch = rollout(sampling_model(model, cfg), tokenizer, problems, cfg, device)
+            sampler = sampling_model(model, cfg)
+            batch = rollout(sampler, tokenizer, problems, cfg, device)
+            if engine_differs(cfg):        # how far apart the two next-token distributions are, exactly
+                batch["engine_kl_tokens"] = engine_kl_tokens(sampler, model, batch, cfg)
+            del sampler
             # Update: one clipped step per minibatch of whole groups; all but the first off-policy.
             m = rl_update(model, opt, batch, cfg, eps_low, eps_high)
             sched.step()                                 # the learning rate decays once per rollout
@@ -2017,10 +2183,29 @@ def validate(cfg: Config) -> None:
     if cfg.aggregation != "paper" and cfg.loss not in LOSS_FNS:
         raise BadInput(f"--aggregation is for gspo, gspo-token and grpo; --loss {cfg.loss} has its "
                        "own (tutorial section 10)")
-    if cfg.sampler_dtype not in ("float32", "bfloat16"):
-        raise BadInput(f"unknown --sampler-dtype {cfg.sampler_dtype!r}; choose float32 or bfloat16")
+    if cfg.sampler_dtype not in SAMPLER_DTYPES:
+        raise BadInput(f"unknown --sampler-dtype {cfg.sampler_dtype!r}; choose one of {', '.join(SAMPLER_DTYPES)}")
     if cfg.old_logprobs not in ("trainer", "sampler"):
         raise BadInput(f"unknown --old-logprobs {cfg.old_logprobs!r}; choose trainer or sampler")
+    if not 0 < cfg.top_p <= 1:
+        raise BadInput(f"--top-p must lie in (0, 1] (1: off), got {cfg.top_p}")
+    if cfg.is_correction not in IS_CORRECTIONS:
+        raise BadInput(f"unknown --is-correction {cfg.is_correction!r}; choose one of {', '.join(IS_CORRECTIONS)}")
+    if cfg.is_correction == "none" and (cfg.is_clip_max, cfg.is_clip_min) != (None, None):
+        raise BadInput("--is-clip-max and --is-clip-min bound --is-correction's weight; set --is-correction too")
+    if cfg.is_correction != "none":
+        if cfg.sampler_dtype == "float32":
+            raise BadInput("--is-correction corrects a sampler that differs from the trainer; it needs "
+                           "--sampler-dtype bfloat16 or float16")
+        if cfg.old_logprobs == "sampler":
+            raise BadInput("--is-correction weighs the trainer's pi_old against the sampler's record; with "
+                           "--old-logprobs sampler there is no trainer's pi_old: drop one")
+        if cfg.loss not in LOSS_FNS:
+            raise BadInput(f"--is-correction is for gspo, gspo-token and grpo, not --loss {cfg.loss}")
+        low, high = is_bounds(cfg)
+        if not (high is None or high > 0) or not (low is None or low >= 0) or (
+                low is not None and high is not None and not low < high):
+            raise BadInput(f"--is-clip-min and --is-clip-max must satisfy 0 <= min < max, got {low} and {high}")
     if cfg.scale_rewards not in ("group", "none"):
         raise BadInput(f"unknown --scale-rewards {cfg.scale_rewards!r}; choose group or none")
     if cfg.prompts_per_step * cfg.group_size > MAX_ROLLOUT:

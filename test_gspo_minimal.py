@@ -415,8 +415,22 @@ BAD_NUMBERS = {
     "held-out sets beyond reason": ["--task", "addwork", "--test-size", "1000000"],
     "zero validation problems": ["--val-size", "0"],
     "negative micro-batch": ["--micro-batch", "-1"],
-    "unknown sampler dtype": ["--sampler-dtype", "float16"],
+    "unknown sampler dtype": ["--sampler-dtype", "float8"],
     "unknown source of pi_old": ["--old-logprobs", "engine"],
+    "top-p 0": ["--top-p", "0"],
+    "top-p above 1": ["--top-p", "1.5"],
+    "top-p nan": ["--top-p", "nan"],
+    "unknown correction": ["--is-correction", "sequence"],
+    "correction without an engine": ["--is-correction", "token_truncate"],
+    "correction with the sampler's pi_old": ["--sampler-dtype", "bfloat16", "--old-logprobs", "sampler",
+                                             "--is-correction", "sequence_mask"],
+    "correction for a relative": ["--sampler-dtype", "bfloat16", "--loss", "cispo", "--is-correction", "token_mask"],
+    "correction bounds without a correction": ["--is-clip-max", "2"],
+    "correction bounds crossed": ["--sampler-dtype", "bfloat16", "--is-correction", "token_mask",
+                                 "--is-clip-min", "2", "--is-clip-max", "1"],
+    "correction bound negative": ["--sampler-dtype", "float16", "--is-correction", "token_truncate",
+                                  "--is-clip-min", "-1"],
+    "correction bound inf": ["--sampler-dtype", "bfloat16", "--is-correction", "token_mask", "--is-clip-max", "inf"],
 }
 BAD.update(BAD_NUMBERS)
 
@@ -1137,6 +1151,140 @@ def test_a_plain_run_with_pi_old_from_a_bf16_sampler(tmp_path):
         assert r["engine_gap_tokens"] > 0 and r["engine_gap_seqs"] > 0
         assert r["grad_norm"] == 0.0       # no warm-up: no reward yet, every advantage 0, no gradient
         assert len(r["abs_log_s_q"]) == len(r["abs_token_log_ratio_q"]) == 2
+
+
+# --- top-p, float16, the engine's KL and log s, and the mismatch corrections --------------------
+def test_the_nucleus_is_transformers_top_p_renormalised():
+    """nucleus_logprobs keeps exactly the tokens transformers' TopPLogitsWarper keeps, renormalised
+    over them; at top_p 1 it is log_softmax(logits / T) itself."""
+    from transformers import TopPLogitsWarper
+    torch.manual_seed(0)
+    logits = torch.randn(64, 50) * 3
+    full = torch.log_softmax(logits / 0.7, dim=-1)
+    assert torch.equal(g.nucleus_logprobs(logits, 0.7), full)
+    for p in (0.05, 0.5, 0.9, 0.99):
+        logq = g.nucleus_logprobs(logits, 0.7, p)
+        kept = logq > -math.inf                         # q = pi / Z on the nucleus, Z its mass >= p
+        assert torch.equal(kept, TopPLogitsWarper(top_p=p)(None, logits / 0.7) > -math.inf), p
+        log_z = torch.logsumexp(full.masked_fill(~kept, -math.inf), -1)
+        assert (log_z.exp() >= p - 1e-6).all()
+        assert torch.allclose(logq[kept], (full - log_z[:, None])[kept])
+
+
+def test_a_top_p_sampler_records_the_truncated_log_probs_and_its_kl_is_minus_log_z():
+    """With --top-p the sampler draws only nucleus tokens and records log q under the truncated
+    distribution, above the trainer's full-softmax log-prob by -log Z at every token; the exact KL of
+    that sampler against the same float32 model is the mean of -log Z_t, and 0 without top-p."""
+    model, tok, cfg, _ = tiny_rollout()
+    cfg = dataclasses.replace(cfg, top_p=0.8)
+    torch.manual_seed(3)
+    batch = g.rollout(model, tok, [(7, 45), (3, 9), (50, 50), (12, 0)], cfg, "cpu")
+    with torch.no_grad():
+        logits = g.completion_logits(model, batch["prompt_ids"], batch["prompt_mask"], batch["completions"])
+    logq = g.nucleus_logprobs(logits, 1.0, 0.8)                                   # (B, T, V)
+    mask = batch["mask"]
+    chosen = logq.gather(-1, batch["completions"][..., None]).squeeze(-1)         # (B, T)
+    assert (chosen[mask] > -math.inf).all()                                      # only nucleus tokens
+    assert torch.allclose(batch["sampler_logprobs"][mask], chosen[mask], atol=1e-5)
+    full = torch.log_softmax(logits, -1).gather(-1, batch["completions"][..., None]).squeeze(-1)
+    log_z = full - chosen                                                        # (B, T), <= 0
+    assert (log_z[mask] <= 1e-6).all() and (log_z[mask] < -1e-3).any()
+    first = mask[:8]                  # engine_kl_tokens reads a minibatch's worth: 2 groups of 4 rows
+    assert g.engine_kl_tokens(model, model, batch, cfg) == pytest.approx(-log_z[:8][first].mean().item(), rel=1e-4)
+    assert g.engine_kl_tokens(model, model, batch, dataclasses.replace(cfg, top_p=1.0)) == 0.0
+
+
+def test_the_exact_kl_is_minus_the_mean_sampled_gap():
+    """E_q[d_t] = -KL(q_t || p_t): over 256 draws of a first token from a float16 sampler, the mean
+    gap of the sampled tokens matches minus the exact KL the run logs, within four standard errors."""
+    model, tok, cfg, _ = tiny_rollout()
+    with torch.no_grad():
+        for p in model.parameters():               # a sharper model: a gap well above float16's noise
+            p.mul_(3)
+    f16 = dataclasses.replace(cfg, sampler_dtype="float16", prompts_per_step=1, group_size=256, minibatches=1,
+                              max_new_tokens=1)
+    sampler = g.sampling_model(model, f16)
+    assert next(sampler.parameters()).dtype == torch.float16
+    torch.manual_seed(0)
+    batch = g.rollout(sampler, tok, [(7, 45)], f16, "cpu")
+    kl = g.engine_kl_tokens(sampler, model, batch, f16)
+    with torch.no_grad():
+        trainer = g.policy_logprobs(model, batch["prompt_ids"], batch["prompt_mask"], batch["completions"])
+    d = (trainer - batch["sampler_logprobs"])[:, 0].double()
+    assert kl > 0
+    assert abs(d.mean().item() + kl) < 4 * d.std().item() / math.sqrt(len(d)) + 1e-7
+
+
+def test_the_correction_weights_are_trls_formulas():
+    d = torch.tensor([[0.5, -0.2, 0.3, 9.0], [1.2, 0.0, 0.0, 0.0]])      # log pi_old - log q
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]])
+    q = torch.zeros(2, 4)
+    w = {mode: g.correction_weight(d, q, mask, mode, 0.5, 1.8) for mode in g.IS_CORRECTIONS[1:]}
+    tok = torch.exp(d * mask)
+    assert torch.allclose(w["token_truncate"], tok.clamp(0.5, 1.8))
+    assert torch.allclose(w["token_mask"], torch.where((tok < 0.5) | (tok > 1.8), 0.0, tok))
+    seq = torch.exp(torch.tensor([0.6, 1.2]))[:, None].expand(2, 4)       # exp(sum_t d_t): 1.82, 3.32
+    assert torch.allclose(w["sequence_truncate"], seq.clamp(0.5, 1.8))
+    assert (w["sequence_mask"] == 0).all()                                 # both above 1.8
+    # verl's geometric rejection: exp(mean_t d_t) = exp(0.2) = 1.22 kept (weight 1), exp(0.6) = 1.82 not
+    assert torch.equal(w["sequence_geometric_mask"], torch.tensor([[1.0] * 4, [0.0] * 4]))
+    assert (g.correction_weight(d, q, mask, "sequence_geometric_mask", 1 / 1.001, 1.001) == 0).all()
+    near = g.correction_weight(torch.full((1, 3), 5e-4), torch.zeros(1, 3), torch.ones(1, 3),
+                               "sequence_geometric_mask", 1 / 1.001, 1.001)
+    assert (near == 1).all()              # exp(5e-4) < 1.001 kept, though exp(sum) = exp(1.5e-3) is above
+    assert g.is_bounds(g.Config(is_correction="sequence_geometric_mask")) == (1 / 1.001, 1.001)
+    assert g.is_bounds(g.Config(is_correction="sequence_mask")) == (None, 3.0)
+
+
+def test_a_correction_weight_multiplies_each_tokens_term():
+    """A weight of ones leaves every loss and aggregation unchanged, value and gradient; otherwise
+    GSPO's sequence term counts mean_t(w_t) times (paper aggregation), as TRL weighs it."""
+    torch.manual_seed(0)
+    B, T = 6, 5
+    old = torch.randn(B, T) * 0.1 - 1
+    new = (old + torch.randn(B, T) * 1e-4).requires_grad_()
+    adv = torch.randn(B)
+    mask = torch.ones(B, T, dtype=torch.long)
+    mask[0, 3:] = 0
+    for name, fn in g.LOSS_FNS.items():
+        for agg in g.AGGREGATIONS:
+            plain = fn(new, old, adv, mask, aggregation=agg)
+            ones = fn(new, old, adv, mask, aggregation=agg, weight=torch.ones(B, T))
+            assert torch.allclose(plain, ones, atol=1e-7), (name, agg)
+            assert torch.allclose(*(torch.autograd.grad(x, new)[0] for x in (plain, ones)), atol=1e-7), (name, agg)
+    w = torch.rand(B, T)
+    s = g.importance_ratio(new, old, mask)
+    per_seq = torch.minimum(s * adv, s.clamp(1 - 3e-4, 1 + 4e-4) * adv)
+    expect = -(per_seq * g.masked_mean(w, mask != 0)).mean()
+    assert torch.allclose(g.gspo_loss(new, old, adv, mask, weight=w), expect, atol=1e-7)
+
+
+def test_clip_shares_split_by_the_sign_of_the_advantage():
+    model, _, cfg, batch = tiny_rollout()
+    batch["sampler_logprobs"] = batch["sampler_logprobs"] + 0.01 * batch["mask"]   # a known gap
+    batch["advantages"] = torch.tensor([1.0, -1.0] * 8)
+    bf16 = dataclasses.replace(cfg, old_logprobs="sampler", minibatches=1, sampler_dtype="bfloat16")
+    m = g.rl_update(model, torch.optim.AdamW(model.parameters(), lr=1e-9), batch, bf16, 3e-4, 4e-4)
+    # s = exp(-0.01) everywhere: below the band, so exactly the responses with A < 0 are clipped
+    assert m["clip_seqs_neg_adv"] == m["clip_tokens_neg_adv"] == 1.0
+    assert m["clip_seqs_pos_adv"] == m["clip_tokens_pos_adv"] == 0.0
+    assert m["engine_log_s_mean"] == pytest.approx(-0.01, rel=1e-3)
+    assert "engine_kl_tokens" not in m          # train() measures it, where the sampler is at hand
+
+
+def test_a_run_with_a_float16_sampler_and_a_correction_logs_the_engine(tmp_path):
+    out = tmp_path / "f16"
+    assert g.main(["--sampler-dtype", "float16", "--is-correction", "sequence_geometric_mask", "--steps", "2",
+                   "--warmup-max-steps", "0", "--prompts-per-step", "4", "--group-size", "4", "--minibatches",
+                   "2", "--val-size", "8", "--test-size", "8", "--out", str(out)]) == 0
+    with open(out / "metrics.jsonl") as f:
+        rl = [json.loads(line) for line in f if '"rl"' in line]
+    assert len(rl) == 2
+    for r in rl:
+        assert r["engine_kl_tokens"] > 0 and r["engine_gap_tokens"] > 0
+        assert abs(r["engine_log_s_mean"]) <= r["engine_gap_seqs"] + 1e-12
+        assert 0 <= r["is_masked_tokens"] <= 1 and r["is_weight_mean"] == pytest.approx(1 - r["is_masked_tokens"])
+        assert {"clip_seqs_pos_adv", "clip_seqs_neg_adv", "clip_tokens_pos_adv", "clip_tokens_neg_adv"} <= set(r)
 
 
 # --- --data: your own problems from a JSONL file ------------------------------------------------

@@ -17,8 +17,8 @@ import pytest
 import torch
 
 import gspo_minimal as g
-from conftest import pre_split, tiny_llama_for
-from studies import (common, family, figures, gpu_check, lens, long, map as regimes, metrics, pretrained,
+from conftest import TINY, pre_split, tiny_llama_for
+from studies import (common, engine, family, figures, gpu_check, lens, long, map as regimes, metrics, pretrained,
                      pretrained_seeds, speed, trl_compare, verify)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -262,6 +262,24 @@ def test_run_jobs_waits_for_what_a_job_needs_skips_finished_jobs_and_dependents_
     assert os.path.exists(mark("a")) and os.path.exists(mark("b")) and os.path.exists(mark("bad"))
     assert not os.path.exists(mark("after_bad")) and "skipped after_bad" in out
     assert not os.path.exists(mark("never")) and "started kept" not in out          # resumed: skipped
+
+
+def test_a_real_run_is_kept_by_the_job_that_made_it_even_with_settings_it_predates(tiny_run, tmp_path):
+    """A finished run of the script, as a job of its own flags, is reused: the micro-batch the script
+    resolved from the model stands for the default the job leaves unset, and a setting added after
+    the run (missing from its config) counts as that setting's default."""
+    out, summary = tiny_run
+    job = {"name": "tiny", "cmd": [sys.executable, "gspo_minimal.py", *TINY, "--out", out, "--seed", "0"],
+           "done": os.path.join(out, "summary.json"), "needs": None}
+    assert summary["config"]["micro_batch"] == 0 and common.job_config(job)["micro_batch"] is None
+    assert common.reuse_problem(job, host=summary["host"]) is None
+    older = {**summary, "config": {k: v for k, v in summary["config"].items() if k != "top_p"}}
+    os.makedirs(tmp_path / "older")
+    with open(tmp_path / "older" / "summary.json", "w") as f:
+        json.dump(older, f)
+    assert common.reuse_problem({**job, "done": str(tmp_path / "older" / "summary.json")}, host=summary["host"]) is None
+    assert common.reuse_problem({**job, "cmd": job["cmd"] + ["--micro-batch", "4"]},
+                                host=summary["host"]) == "made with other settings (micro_batch)"
 
 
 def test_a_run_made_on_another_host_or_with_other_settings_is_made_again_and_so_is_what_starts_from_it(tmp_path, capsys):
@@ -1814,6 +1832,8 @@ def test_the_data_example_runs_the_tutorials_command():
 # --- provenance of the committed results ------------------------------------------------------------
 KEPT_COPIES = ("figures/figures_earlier_runs.json", "figures/pretrained_missed_goal.json",
                "figures/pretrained_previous_rollout.json", "figures/long_earlier_runs.json")   # earlier results kept beside their remake
+NOT_MADE_YET = ("figures/engine.json", "figures/engine.png",   # make engine's, its sizes set by its prototype
+                "figures/engine_prototype.json")
 
 
 def test_every_committed_result_says_where_and_from_what_tree_it_was_made():
@@ -1838,12 +1858,124 @@ def test_each_committed_figure_file_is_one_targets_own_output():
     """The files a target leaves out of its dirty check (its OUTPUTS) are exactly the ones it writes:
     every committed file in figures/ belongs to one target, but the kept earlier copies."""
     owners = {}
-    for study in (figures, family, long, regimes, pretrained, pretrained_seeds, trl_compare, lens):
+    for study in (figures, family, long, regimes, pretrained, pretrained_seeds, trl_compare, lens, engine):
         for out in study.OUTPUTS:
             assert out not in owners, f"{out}: {owners.get(out)} and {study.__name__}"
             owners[out] = study.__name__
     committed = subprocess.run(["git", "-C", HERE, "ls-files", "figures"], capture_output=True, text=True).stdout.split()
-    assert set(committed) - set(KEPT_COPIES) == set(owners), set(committed) ^ set(owners)
+    assert set(committed) - set(KEPT_COPIES) == set(owners) - set(NOT_MADE_YET), set(committed) ^ set(owners)
+
+
+# --- make engine: the sampler-trainer gap against length (studies/engine.py) --------------------------
+def test_a_sampler_that_is_the_trainer_has_no_gap_and_a_nucleus_has_exactly_minus_log_z():
+    """paired_decode with the float32 model on both sides: every d_t and k_t is exactly 0; with top-p
+    0.8 the sampler's q is the renormalised nucleus, so d_t = log Z_t and k_t = -log Z_t exactly."""
+    tok = g.build_char_tokenizer()
+    torch.manual_seed(0)
+    model = g.build_tiny_model(tok)
+    ids, attn = g.encode_prompts(tok, ["12+34=", "7+8="] * 4, "cpu")
+    same = engine.paired_decode(model, model, ids, attn, 12, tok.eos_token_id)
+    assert same["d"].shape == (8, 12) and (same["d"] == 0).all() and (same["k"] == 0).all() and same["alive"].all()
+    nucleus = engine.paired_decode(model, model, ids, attn, 12, tok.eos_token_id, top_p=0.8)
+    assert torch.allclose(nucleus["d"], -nucleus["k"], atol=1e-6) and (nucleus["k"] > 0).any()
+    free = engine.paired_decode(model, model, ids, attn, 12, tok.eos_token_id, suppress_eos=False)
+    assert free["alive"][:, 0].all()
+
+
+def test_the_length_law_reads_the_floor_the_noise_and_l_star_from_the_gaps():
+    """Synthetic gaps with a known floor K and noise sigma: d_t = -K + sigma e_t, k_t = K. The law
+    gives kl_floor = K, sigma^2 from e_t, L* = (z sigma / (eps - K))^2 (None once K >= eps), a
+    mean |log s| slope near -1/2 where the noise dominates, and the band's shares per prefix."""
+    gen = torch.Generator().manual_seed(0)
+    N, L, sigma, K = 2000, 48, 0.01, 1e-4
+    k = torch.full((N, L), K, dtype=torch.float64)
+    d = -k + sigma * torch.randn(N, L, generator=gen, dtype=torch.float64)
+    law = engine.length_law(d, k, z=2.0, n_boot=100)
+    eps = min(-engine.GSPO_BAND[0], engine.GSPO_BAND[1])
+    assert law["eps"] == eps and law["kl_floor"] == pytest.approx(K)
+    assert law["sigma2"] == pytest.approx(sigma ** 2, rel=0.02)
+    assert law["length_inside_band"] == pytest.approx((2 * sigma / (eps - K)) ** 2, rel=0.02)
+    lo, hi = law["length_inside_band_ci95"]
+    assert lo < law["length_inside_band"] < hi
+    assert law["abs_log_s_slope"] == pytest.approx(-0.5, abs=0.03)
+    assert law["share_outside_gspo_band"][0] == pytest.approx(law["share_below_band"][0] + law["share_above_band"][0])
+    assert law["share_outside_gspo_band"][-1] < law["share_outside_gspo_band"][0]
+    assert law["n"][:3] == [1, 2, 3] and len(law["mean_abs_d"]) == len(law["mean_kl"]) == L
+    floor = engine.length_law(-torch.full((50, 8), 1e-3, dtype=torch.float64),
+                              torch.full((50, 8), 1e-3, dtype=torch.float64), z=2.0, n_boot=20)
+    assert floor["length_inside_band"] is None and floor["share_below_band"][-1] == 1.0
+
+
+def test_natural_lengths_are_binned_with_trls_default_weight_and_verls_geometric_rejection():
+    d = torch.tensor([[0.5, 0.6, 0.0], [1e-4, 0.0, 0.0], [0.01, 0.01, 0.01]], dtype=torch.float64)
+    alive = torch.tensor([[True, True, False], [True, False, False], [True, True, True]])
+    bins = engine.by_natural_length(d, alive, [1, 3, 4])
+    assert [b["sequences"] for b in bins] == [2, 1] and bins[0]["label"] == "EOS-selected"
+    # exp(1.1) = 3.0 above 3.0: masked by TRL's default; exp(1e-4) kept at weight exp(1e-4)
+    assert bins[0]["share_masked_trl_default"] == 0.5 and bins[0]["trl_default_weight_p1"] == pytest.approx(0.0, abs=0.1)
+    assert bins[0]["share_rejected_geometric"] == 0.5        # mean 0.55 out, mean 1e-4 in [1/1.001, 1.001]
+    assert bins[1]["share_masked_trl_default"] == 0.0 and bins[1]["share_rejected_geometric"] == 1.0
+
+
+# --- the statistics the comparisons share (studies/common.py) ----------------------------------------
+def test_exact_sign_tests_match_the_binomial_table():
+    assert common.binomial_tail(9, 10) == 11 / 1024 and common.binomial_tail(0, 7) == 1.0
+    assert common.sign_test(6, 0) == 1 / 64 and common.sign_test(5, 0) == 1 / 32
+    assert common.sign_test(3, 0) == 1 / 8                  # the map's 3 of 3, one side
+    assert common.sign_test(2, 8, "less") == 56 / 1024 and common.sign_test(8, 2, "two-sided") == 112 / 1024
+    assert common.sign_test(5, 5, "two-sided") == 1.0
+    # McNemar's exact test on 8 against 2 discordant pairs is the sign test on them: 56/1024
+    assert common.mcnemar_exact(8, 2) == 56 / 1024 and common.mcnemar_exact(2, 8) == 1013 / 1024
+    assert common.smallest_significant_split(10) == 9 and common.smallest_significant_split(4) is None
+    assert common.smallest_significant_split(5) == 5 and common.smallest_significant_split(20) == 15
+
+
+def test_cluster_resampling_and_the_paired_permutation_test():
+    clusters = [[1.0, 1.1], [2.0, 2.1], [3.0, 3.1]]
+    lo, hi = common.cluster_bootstrap(clusters, lambda v: sum(v) / len(v), n_boot=500)
+    assert 1.05 - 1e-12 <= lo < hi <= 3.05 + 1e-12          # only means of whole clusters are reachable
+    pairs = [(1.0, 0.0)] * 8
+    p = common.paired_permutation_p(pairs, lambda ps: sum(a - b for a, b in ps), n_perm=4000)
+    assert p == pytest.approx(1 / 256, abs=0.003)          # every pair must keep its order: 2^-8
+    assert common.paired_permutation_p([(0.0, 1.0)] * 4, lambda ps: sum(a - b for a, b in ps), n_perm=500) > 0.9
+
+
+def test_firths_fit_is_a_stationary_point_of_the_penalised_likelihood_and_finite_when_separated():
+    x = [1.0, 1.0, 1.5, 1.5, 2.0, 2.0, 3.0, 3.0]
+    y = [0, 0, 0, 1, 0, 1, 1, 1]
+
+    def penalised(b0, b1):
+        X = torch.tensor([[1.0, v] for v in x], dtype=torch.float64)
+        p = torch.sigmoid(X @ torch.tensor([b0, b1], dtype=torch.float64))
+        loglik = sum(math.log(pi if yi else 1 - pi) for pi, yi in zip(p.tolist(), y))
+        return loglik + 0.5 * math.log(torch.linalg.det(X.T @ ((p * (1 - p))[:, None] * X)).item())
+    fit = common.firth_logistic(x, y)
+    b0, b1, h = fit["intercept"], fit["slope"], 1e-5
+    assert abs(penalised(b0 + h, b1) - penalised(b0 - h, b1)) / (2 * h) < 1e-6
+    assert abs(penalised(b0, b1 + h) - penalised(b0, b1 - h)) / (2 * h) < 1e-6
+    assert 1.0 < fit["x_at_half"] < 3.0 and fit["x_at_half_ci95"][0] < fit["x_at_half"] < fit["x_at_half_ci95"][1]
+    separated = common.firth_logistic([1, 1, 2, 2, 3, 3], [0, 0, 0, 1, 1, 1])   # plain ML: no finite fit
+    assert math.isfinite(separated["slope"]) and separated["slope"] > 0
+    assert separated["x_at_half"] == pytest.approx(2.0, abs=1e-6)              # symmetric data
+
+
+def test_the_maps_committed_cells_come_again_from_its_runs_through_the_shared_statistics():
+    """A golden test: the rule in studies/map.py, now reading its statistics from studies/common.py,
+    gives back every committed cell of figures/map.json from the committed runs' accuracies."""
+    with open(os.path.join(HERE, "figures", "map.json")) as f:
+        record = json.load(f)
+    after = {}
+    for r in record["runs"]:
+        if r["seed"] in regimes.SEEDS:
+            slot = "noise" if r["rl_seed"] != r["seed"] else r["loss"]
+            after.setdefault(r["cell"], {"gspo": {}, "grpo": {}, "noise": {}})[slot][r["seed"]] = r["accuracy_after_rl"]
+    cells = regimes.verdicts(after, {c: regimes.TASK_OF[regimes.CELLS[c][0]] for c in after})
+    assert set(cells) == set(record["cells"])
+    for cell, v in cells.items():
+        want = record["cells"][cell]
+        assert {str(k): d for k, d in v["differences_by_seed"].items()} == want["differences_by_seed"], cell
+        for key in ("median_difference", "common_sign", "noise", "noise_from", "separates", "ahead"):
+            assert v[key] == want[key], (cell, key)
 
 
 def test_the_long_rerun_repeats_every_number_of_the_earlier_runs_but_times():

@@ -97,6 +97,75 @@ def test_grpo_loss_equals_trl_token_level_with_loss_type_grpo(tmp_path, seed):
     assert (g_trl - g_ours).abs().max().item() <= 1e-10
 
 
+@pytest.mark.parametrize("mode", ["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"])
+@pytest.mark.parametrize("loss", ["gspo", "grpo"])
+def test_a_correction_weight_enters_the_loss_as_trl_applies_its_importance_sampling_ratio(tmp_path, loss, mode):
+    """--is-correction's weight, handed to TRL as the `importance_sampling_ratio` its generation step
+    would have put in the inputs (with use_vllm and the correction switched on after building): the
+    same loss value and gradient as ours, for GSPO (sequence level) and GRPO (token level), loss_type
+    grpo. TRL's own computation of that ratio runs only inside its vLLM generation path; here the
+    ratio is ours, computed with TRL's bounds (clip_min 0.5, clip_max 3.0)."""
+    level, eps, fn = (("sequence", (3e-4, 4e-4), g.gspo_loss) if loss == "gspo" else
+                      ("token", (0.2, 0.27), g.grpo_loss))
+    trainer = make_trainer(tmp_path, importance_sampling_level=level, loss_type="grpo", epsilon=eps[0],
+                           epsilon_high=eps[1])
+    trainer.use_vllm = trainer.vllm_importance_sampling_correction = True
+    new, old, adv, mask = batch(0)
+    if loss == "grpo":
+        new = old + (new - old) * 1000
+    gen = torch.Generator().manual_seed(1)
+    sampler = old - torch.randn(old.shape, generator=gen, dtype=F64) * 0.5        # a wide engine gap
+    weight = g.correction_weight(old, sampler, mask, mode, 0.5, 3.0)
+    assert (weight[mask] == 0).any() if mode.endswith("mask") else (weight[mask] != 1).any()
+    ratio = weight if mode.startswith("token") else weight[:, :1]                  # TRL's (B, 1) for sequences
+    trl_inputs = {"importance_sampling_ratio": ratio}
+    original = trainer._compute_loss
+    trainer._compute_loss = lambda model, inputs: original(model, {**inputs, **trl_inputs})
+    v_trl, g_trl = trl_loss_and_grad(trainer, new, old, adv, mask)
+    v_ours, g_ours = ours(fn, new, old, adv, mask, eps_low=eps[0], eps_high=eps[1], weight=weight)
+    assert abs(v_trl.item() - v_ours.item()) <= 1e-10
+    assert (g_trl - g_ours).abs().max().item() <= 1e-10
+
+
+@pytest.mark.parametrize("mode, clip_min", [("token_truncate", 0.5), ("token_mask", 0.5), ("sequence_truncate", None),
+                                            ("sequence_mask", 0.5), ("sequence_mask", None)])
+def test_trls_own_importance_sampling_ratio_is_our_correction_weight(tmp_path, mode, clip_min):
+    """TRL 1.16 computes its correction inside `_generate_and_score_completions`, only with
+    use_vllm. The seam: build without vLLM, with a `rollout_func` that returns completions and the
+    sampler's record as their log-probs; switch use_vllm and the mode on afterwards, with the weight
+    sync stubbed and the trainer's log-prob pass replaced by our trainer-side log-probs. TRL's own
+    code then turns the two into `importance_sampling_ratio`: it equals our `correction_weight` at
+    the same bounds (the loss it weights: the test above)."""
+    from types import SimpleNamespace
+    gen = torch.Generator().manual_seed(3)
+    lengths = [1, 2, 3, 6, 4, 5, 6, 2]
+    B, T = len(lengths), max(lengths)
+    mask = torch.arange(T) < torch.tensor(lengths)[:, None]
+    trainer_lp = torch.log_softmax(torch.randn(B, T, 5, generator=gen), -1)[..., 0] * mask     # pi_old
+    sampler_lp = (trainer_lp - torch.randn(B, T, generator=gen) * 0.8) * mask                   # the engine's record
+
+    def rollout_func(prompts, trainer):
+        return {"prompt_ids": [[5, 6, 7]] * len(prompts),
+                "completion_ids": [[1] * n for n in lengths[:len(prompts)]],
+                "logprobs": [sampler_lp[i, :n].tolist() for i, n in enumerate(lengths[:len(prompts)])]}
+    trainer = make_trainer(tmp_path, importance_sampling_level="sequence", loss_type="grpo", epsilon=3e-4,
+                           epsilon_high=4e-4, vllm_importance_sampling_mode=mode,
+                           vllm_importance_sampling_clip_max=3.0, vllm_importance_sampling_clip_min=clip_min)
+    trainer.rollout_func, trainer.use_vllm = rollout_func, True
+    trainer.vllm_generation = SimpleNamespace(sync_weights=lambda: None)
+    trainer._last_loaded_step = trainer.state.global_step
+    trainer._get_per_token_logps_and_entropies = lambda *a, **k: (trainer_lp.clone(), None, None)
+    out = trainer._generate_and_score_completions([{"prompt": "07+45="}] * B)
+    theirs = out["importance_sampling_ratio"]
+    ours_w = g.correction_weight(trainer_lp, sampler_lp, mask, mode, clip_min, 3.0)
+    assert theirs.shape == ((B, T) if mode.startswith("token") else (B, 1))
+    assert (ours_w == 0).any() if mode.endswith("mask") else (ours_w[mask] != 1).any()
+    if mode.startswith("token"):
+        assert torch.allclose(theirs[mask], ours_w[mask], rtol=1e-6, atol=0)
+    else:
+        assert torch.allclose(theirs, ours_w[:, :1], rtol=1e-6, atol=0)
+
+
 def test_trl_default_loss_type_weights_each_sequence_by_its_length(tmp_path):
     from trl import GRPOConfig
     default = GRPOConfig(output_dir=str(tmp_path), report_to="none", use_cpu=True).loss_type

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import functools
 import importlib
 import inspect
@@ -468,6 +469,118 @@ def in_own_process(script: str, args: list[str], python: str = sys.executable,
 
 
 # ---------------------------------------------------------------------------------------------
+# Statistics the comparisons share (make figures-map, make figures-frontier, make engine): paired
+# differences and their common sign, the noise of a second RL stream, exact sign tests, resampling
+# by cluster, and a penalised logistic fit. Pure Python or float64 torch, no scipy.
+# ---------------------------------------------------------------------------------------------
+def paired_differences(a: dict, b: dict, keys) -> list[float]:
+    """a[k] - b[k] for each k in `keys` that both hold, in the order of `keys`."""
+    return [a[k] - b[k] for k in keys if k in a and k in b]
+
+
+def common_sign(diffs: list[float]) -> int:
+    """+1 when every difference is positive, -1 when every one is negative, else 0 (a zero breaks it)."""
+    if diffs and all(d > 0 for d in diffs):
+        return 1
+    if diffs and all(d < 0 for d in diffs):
+        return -1
+    return 0
+
+
+def second_stream_noise(first: dict, second: dict) -> float | None:
+    """max_k |first[k] - second[k]| over the keys both hold (one run and its rerun with another RL
+    seed, from the same start): how far a result moves by sampling alone. None without any."""
+    shared = sorted(set(first) & set(second))
+    return max(abs(first[k] - second[k]) for k in shared) if shared else None
+
+
+def binomial_tail(k: int, n: int) -> float:
+    """P(X >= k) for X ~ Binomial(n, 1/2), exactly (fractions of 2^n)."""
+    return sum(math.comb(n, i) for i in range(max(k, 0), n + 1)) / 2 ** n
+
+
+def sign_test(positive: int, negative: int, alternative: str = "greater") -> float:
+    """The exact sign test's p of `positive` against `negative` signs (ties dropped before): under
+    the null each is +1 or -1 with probability 1/2. "greater": P(X >= positive); "less": P(X <=
+    positive); "two-sided": twice the smaller tail, at most 1."""
+    n = positive + negative
+    upper, lower = binomial_tail(positive, n), 1 - binomial_tail(positive + 1, n)
+    if alternative == "greater":
+        return upper
+    if alternative == "less":
+        return lower
+    if alternative == "two-sided":
+        return min(1.0, 2 * min(upper, lower))
+    raise ValueError(f"alternative must be greater, less or two-sided, got {alternative!r}")
+
+
+def mcnemar_exact(only_first: int, only_second: int) -> float:
+    """McNemar's exact one-sided p for paired yes/no outcomes: of the discordant pairs, `only_first`
+    have the event in the first member only, `only_second` in the second only; H1: the first has
+    it more often. Exactly the sign test on the discordant pairs (concordant ones carry nothing)."""
+    return sign_test(only_first, only_second, "greater")
+
+
+def smallest_significant_split(n: int, alpha: float = 0.05) -> int | None:
+    """The fewest of n discordant pairs on one side that the one-sided exact test calls (p < alpha);
+    None when even n of n does not (n < 5 at alpha 0.05)."""
+    return next((k for k in range(n + 1) if binomial_tail(k, n) < alpha), None)
+
+
+def cluster_bootstrap(clusters: list[list[float]], stat, n_boot: int = 2000, seed: int = 0,
+                      level: float = 0.95) -> list[float]:
+    """A percentile interval of stat(values) resampling whole clusters (e.g. every run from one
+    warm-up) with replacement, so that values sharing a start are never treated as independent."""
+    rng = random.Random(seed)
+    stats = sorted(stat([v for c in rng.choices(clusters, k=len(clusters)) for v in c]) for _ in range(n_boot))
+    lo = stats[int(math.floor((1 - level) / 2 * (n_boot - 1)))]
+    hi = stats[int(math.ceil((1 + level) / 2 * (n_boot - 1)))]
+    return [lo, hi]
+
+
+def paired_permutation_p(pairs: list[tuple[float, float]], stat, n_perm: int = 10000, seed: int = 0) -> float:
+    """One-sided p of stat(pairs) under the null that the two labels of every pair are exchangeable:
+    each pair's members swapped at random, stat recomputed; p = (1 + #{stat_perm >= observed}) /
+    (1 + n_perm)."""
+    rng = random.Random(seed)
+    observed = stat(pairs)
+    hits = sum(stat([(b, a) if rng.random() < 0.5 else (a, b) for a, b in pairs]) >= observed
+               for _ in range(n_perm))
+    return (1 + hits) / (1 + n_perm)
+
+
+def firth_logistic(x: list[float], y: list[int], iterations: int = 100, tol: float = 1e-10) -> dict:
+    """Logistic regression of y (0/1) on x with Firth's penalty (the Jeffreys prior: maximise
+    l(b) + 0.5 log det I(b)), which stays finite where the plain fit runs off to infinity (a ladder
+    whose lowest rung never collapses and whose highest always does). Returns the coefficients
+    (intercept, slope), their covariance (I(b)^-1), and the x at which the fitted share is one half,
+    -b0/b1, with a 95% Wald interval by the delta method (None where the slope is 0)."""
+    X = torch.tensor([[1.0, float(v)] for v in x], dtype=torch.float64)
+    Y = torch.tensor([float(v) for v in y], dtype=torch.float64)
+    b = torch.zeros(2, dtype=torch.float64)
+    for _ in range(iterations):
+        p = torch.sigmoid(X @ b)
+        w = p * (1 - p)
+        info = X.T @ (w[:, None] * X)
+        cov = torch.linalg.inv(info)
+        h = w * ((X @ cov) * X).sum(1)                         # the hat matrix's diagonal
+        step = cov @ (X.T @ (Y - p + h * (0.5 - p)))
+        b = b + step
+        if step.abs().max() < tol:
+            break
+    p = torch.sigmoid(X @ b)
+    cov = torch.linalg.inv(X.T @ ((p * (1 - p))[:, None] * X))
+    out = {"intercept": b[0].item(), "slope": b[1].item(), "covariance": cov.tolist(),
+           "x_at_half": None, "x_at_half_ci95": None}
+    if b[1] != 0:
+        x50 = (-b[0] / b[1]).item()
+        grad = torch.tensor([-1 / b[1], b[0] / b[1] ** 2], dtype=torch.float64)
+        se = math.sqrt((grad @ cov @ grad).item())
+        out.update(x_at_half=x50, x_at_half_ci95=[x50 - 1.959964 * se, x50 + 1.959964 * se])
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
 # The long targets' runs (make figures, figures-family, figures-long): the job pool that runs
 # them two at a time and resumes, the run folders they leave, what figures.json and
 # family.json keep of each run, and the plotting helpers the targets share.
@@ -497,7 +610,6 @@ def job_config(job: dict) -> dict | None:
     """The settings a job's run will record (its summary.json's `config`): the script's flags as
     the job gives them (`argv`, or the arguments after gspo_minimal.py in its command), parsed;
     None where a job names neither."""
-    import dataclasses
     script = next((i for i, c in enumerate(job["cmd"]) if str(c).endswith("gspo_minimal.py")), None)
     argv = job.get("argv", None if script is None else job["cmd"][script + 1:])
     if argv is None:
@@ -508,6 +620,11 @@ def job_config(job: dict) -> dict | None:
 def child_host() -> dict:
     """The host fingerprint a run_jobs child records: one thread, run_jobs' environment."""
     return g.host_fingerprint(1, {**os.environ, **CHILD_ENV})
+
+
+# Settings whose default (None) the script resolves from the model as it builds it (`prepare`): a
+# run records the value it used, which stands for the default.
+RESOLVED_AT_BUILD = ("micro_batch",)
 
 
 def reuse_problem(job: dict, host: dict | None = None) -> str | None:
@@ -521,9 +638,10 @@ def reuse_problem(job: dict, host: dict | None = None) -> str | None:
     if why:
         return why
     expected = job_config(job)
-    if expected is not None:
-        got = summary.get("config") or {}
-        fields = sorted(k for k in set(expected) | set(got) if expected.get(k) != got.get(k))
+    if expected is not None:         # a field the run predates: it ran as that field's default does
+        got = {**dataclasses.asdict(g.Config()), **(summary.get("config") or {})}
+        fields = sorted(k for k in set(expected) | set(got) if expected.get(k) != got.get(k)
+                        and not (k in RESOLVED_AT_BUILD and expected.get(k) is None))
         if fields:
             return f"made with other settings ({', '.join(fields)})"
     return None

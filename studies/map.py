@@ -35,9 +35,9 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # gspo_minimal, studies
 
 from studies import common  # noqa: E402
-from studies.common import (FIG_DIR, FIG_STEPS, SEEDS, Ledger, Parser, cli, fail, read_json,  # noqa: E402
-                            read_metrics, read_summary, rewrite_json, run_jobs, script_job, warm_start, warm_start_argv,
-                            write_json)
+from studies.common import (FIG_DIR, FIG_STEPS, SEEDS, Ledger, Parser, cli, common_sign, fail,  # noqa: E402
+                            paired_differences, read_json, read_metrics, read_summary, rewrite_json, run_jobs,
+                            script_job, second_stream_noise, warm_start, warm_start_argv, write_json)
 from studies.long import LONG_STEPS, warm_dir as long_warm_dir  # noqa: E402
 
 # The files this target writes into figures/: its own outputs, left out of its dirty check
@@ -238,35 +238,20 @@ def run_record(name: str, cell: str, seed: int, rl_seed: int, folder: str = MAP_
 
 
 # ---------------------------------------------------------------------------------------------
-# The decision rule
+# The decision rule (its statistics, shared with the other comparisons, in studies/common.py)
 # ---------------------------------------------------------------------------------------------
-def common_sign(diffs: list[float]) -> int:
-    """+1 when every difference is positive, -1 when every one is negative, else 0 (a zero breaks it)."""
-    if diffs and all(d > 0 for d in diffs):
-        return 1
-    if diffs and all(d < 0 for d in diffs):
-        return -1
-    return 0
-
-
-def noise_of(gspo: dict[int, float], second: dict[int, float]) -> float | None:
-    """max_s |GSPO(s) - GSPO(s, second stream)| over the seeds both hold; None without any."""
-    shared = sorted(set(gspo) & set(second))
-    return max(abs(gspo[s] - second[s]) for s in shared) if shared else None
-
-
 def verdicts(after: dict, task_of: dict[str, str], seeds=SEEDS) -> dict:
     """The rule applied to `after[cell] = {"gspo": {seed: acc}, "grpo": {...}, "noise": {seed: acc}}`
     (noise: GSPO's second RL stream, where run). Per cell: the paired differences, their median and
     common sign, the noise and where it came from, and `separates`."""
-    own = {cell: noise_of(a["gspo"], a.get("noise", {})) for cell, a in after.items()}
+    own = {cell: second_stream_noise(a["gspo"], a.get("noise", {})) for cell, a in after.items()}
     by_task: dict[str, float] = {}
     for cell, n in own.items():
         if n is not None:
             by_task[task_of[cell]] = max(n, by_task.get(task_of[cell], 0.0))
     out = {}
     for cell, a in after.items():
-        diffs = [a["gspo"][s] - a["grpo"][s] for s in seeds if s in a["gspo"] and s in a["grpo"]]
+        diffs = paired_differences(a["gspo"], a["grpo"], seeds)
         median = statistics.median(diffs) if diffs else None
         sign = common_sign(diffs) if len(diffs) == len(seeds) else 0
         noise = own[cell] if own[cell] is not None else by_task.get(task_of[cell])
