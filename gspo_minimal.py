@@ -1158,6 +1158,12 @@ KL_ELEMENTS = 2 ** 22      # logits per piece of `engine_kl_tokens`: 16 MiB in f
 #   KL(q_t || p_t) = sum_v q_t(v) (log q_t(v) - log p_t(v)) >= 0     over the whole vocabulary.
 # The sampled token's gap d_t = log p_t(y_t) - log q_t(y_t) has mean E_q[d_t] = -KL(q_t || p_t): a
 # sampler that differs from the trainer biases log s downwards, by the mean KL at a fixed length.
+def token_kl(logq: torch.Tensor, logp: torch.Tensor) -> torch.Tensor:
+    """(..., V) log q and log p -> (...,) KL(q || p); tokens outside q's support (log q = -inf, a
+    nucleus's) add nothing."""
+    return torch.where(logq > -float("inf"), logq.exp() * (logq - logp), 0.0).sum(-1)
+
+
 @torch.no_grad()
 def engine_kl_tokens(sampler, trainer, batch: dict, cfg: Config) -> float:
     """Mean KL(sampler || trainer) per completion token over a minibatch's worth of the rollout (its
@@ -1174,7 +1180,7 @@ def engine_kl_tokens(sampler, trainer, batch: dict, cfg: Config) -> float:
         args = [batch[k][i:min(i + step, n)] for k in ("prompt_ids", "prompt_mask", "completions")]
         logq = nucleus_logprobs(completion_logits(sampler, *args), cfg.temperature, cfg.top_p)  # (b, T, V)
         logp = torch.log_softmax(completion_logits(trainer, *args).float() / cfg.temperature, dim=-1)
-        kl = torch.where(logq > -float("inf"), logq.exp() * (logq - logp), 0.0).sum(-1)         # (b, T)
+        kl = token_kl(logq, logp)                                                                # (b, T)
         keep = batch["mask"][i:min(i + step, n)] != 0
         total, count = total + kl[keep].sum().item(), count + keep.sum().item()
     return total / max(count, 1)

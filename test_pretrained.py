@@ -149,12 +149,18 @@ print(hwm())
 """
 
 
-@pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="needs Linux's /proc")
-def test_a_micro_batched_update_on_long_answers_stays_within_its_memory(smollm):
-    out = subprocess.run([sys.executable, "-c", PEAK_PROBE], cwd=HERE, capture_output=True, text=True,
+def run_probe(script: str) -> str:
+    """Run a memory probe in a fresh Python process (its own VmHWM, nothing of this one's) from the
+    repository root, offline; its stdout, after asserting it exited cleanly."""
+    out = subprocess.run([sys.executable, "-c", script], cwd=HERE, capture_output=True, text=True,
                          timeout=600, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert out.returncode == 0, out.stderr[-2000:]
-    peak = float(out.stdout.split()[-1])
+    return out.stdout
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="needs Linux's /proc")
+def test_a_micro_batched_update_on_long_answers_stays_within_its_memory(smollm):
+    peak = float(run_probe(PEAK_PROBE).split()[-1])
     assert peak < UPDATE_PEAK_MB, f"the update peaked at {peak:.0f} MB"
 
 
@@ -188,10 +194,7 @@ print(peak_rss_mb())
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="needs Linux's /proc")
 def test_a_seed_runs_update_with_every_answer_at_full_length_stays_within_the_memory_goal(smollm):
-    out = subprocess.run([sys.executable, "-c", FULL_LENGTH_PROBE], cwd=HERE, capture_output=True, text=True,
-                         timeout=600, env={**os.environ, "HF_HUB_OFFLINE": "1"})
-    assert out.returncode == 0, out.stderr[-2000:]
-    lines = out.stdout.split("\n")
+    lines = run_probe(FULL_LENGTH_PROBE).split("\n")
     assert lines[-3].split() == ["64", "32", "16"]                    # the seed runs' rollout and passes
     peak = float(lines[-2])
     print(f"full-length update at the seed runs' settings: peak {peak:.0f} MiB")

@@ -43,8 +43,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 import gspo_minimal as g  # noqa: E402
-from studies.common import (Parser, cli, fail, kept_part, load_checkpoint, read_json,  # noqa: E402
-                            reuse_problem, run_jobs, smollm_gguf, write_json)
+from studies.common import (Parser, bootstrap_slopes, cli, fail, kept_part, load_checkpoint,  # noqa: E402
+                            read_json, reuse_problem, run_jobs, smollm_gguf, write_json)
 
 # The files this target writes into figures/ (left out of its dirty check).
 OUTPUTS = ("figures/engine.json", "figures/engine.png", "figures/engine_prototype.json")
@@ -89,7 +89,7 @@ def paired_decode(sampler, trainer, prompt_ids, prompt_mask, length: int, eos_id
         nxt = torch.multinomial(logq.exp(), 1).squeeze(-1)                       # (B,)
         pick = nxt[:, None]
         d.append((logp.gather(-1, pick) - logq.gather(-1, pick)).squeeze(-1).double())
-        k.append(torch.where(logq > -float("inf"), logq.exp() * (logq - logp), 0.0).sum(-1).double())
+        k.append(g.token_kl(logq, logp).double())
         alive.append(~done)
         done = done | (nxt == eos_id)
         if done.all():
@@ -119,16 +119,14 @@ def length_law(d: torch.Tensor, k: torch.Tensor, z: float, n_boot: int = 1000, s
     boot = torch.randint(0, N, (n_boot, N), generator=gen)                       # resampled sequences
 
     def slope(rows):                                  # log mean|log s_n| against log n, all n
-        y = torch.log(log_s[rows].abs().mean(-2).clamp(min=1e-300))
-        x = torch.log(n) - torch.log(n).mean()
-        return ((y - y.mean(-1, keepdim=True)) * x).sum(-1) / (x * x).sum()
+        return bootstrap_slopes(log_s[rows].abs().mean(-2).clamp(min=1e-300), n.tolist())
 
     def l_star(rows):
         K = k[rows].mean((-2, -1))
         sigma = ((d[rows] + k[rows]) ** 2).mean((-2, -1)).sqrt()
         return torch.where(K < eps, (z * sigma / (eps - K).clamp(min=1e-300)) ** 2, torch.inf)
 
-    slopes = slope(boot.reshape(n_boot, N))
+    slopes = slope(boot)
     stars = l_star(boot)
     star = l_star(torch.arange(N)).item()
 
@@ -141,7 +139,7 @@ def length_law(d: torch.Tensor, k: torch.Tensor, z: float, n_boot: int = 1000, s
             "share_outside_gspo_band": (below + above).tolist(), "share_below_band": below.tolist(),
             "share_above_band": above.tolist(),
             "mean_abs_d": d.abs().mean(0).tolist(), "mean_kl": k.mean(0).tolist(),
-            "abs_log_s_slope": slope(torch.arange(N)).item(),
+            "abs_log_s_slope": slope(torch.arange(N)[None]).item(),
             "abs_log_s_slope_ci95": torch.quantile(slopes, torch.tensor([0.025, 0.975], dtype=torch.float64)).tolist(),
             "kl_floor": k.mean().item(), "sigma2": ((d + k) ** 2).mean().item(), "eps": eps, "z": z,
             "length_inside_band": finite(star),
