@@ -940,6 +940,7 @@ def test_branches_from_one_state_do_not_see_each_other(tiny_run):
                                                                           "cpu_seconds", "tokens_per_second"))
 
 
+@pytest.mark.thorough          # 0.6 s: make test's time budget; the map's golden test stays in make test
 def test_golden_branches_from_one_run_state(tiny_run):
     cfg = g.Config(prompts_per_step=4, group_size=4, minibatches=2, steps=50)
     results = []
