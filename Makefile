@@ -14,7 +14,7 @@ STAMP     := .venv/.installed
 STAMP_TRL := .venv-trl/.installed
 STAMP_PRE := .venv-pretrained/.installed
 
-.PHONY: train test check test-thorough verify figures trl test-trl bench test-pretrained pretrained pretrained-seeds figures-family figures-long figures-map gpu-check clean
+.PHONY: train test check test-thorough verify figures trl test-trl bench test-pretrained pretrained pretrained-seeds figures-family figures-long figures-map engine gpu-check clean
 
 $(STAMP): requirements.txt
 	rm -rf .venv
@@ -79,6 +79,9 @@ figures-long: $(STAMP)  ## long answers (--task addwork): GSPO, GSPO-token, GRPO
 
 figures-map: $(STAMP)  ## do GSPO and GRPO part ways? nine regimes under a rule fixed before the runs: figures/map.json and map.png (first phase at most 70 min, resumable; CONFIRM=1: the confirmation, at most 20 min; CLIP=1: the bf16-sampler cells again with the clip share per minibatch, about 5 min)
 	$(PY) studies/map.py$(if $(CONFIRM), --confirm,)$(if $(CLIP), clip,)
+
+engine: $(STAMP) $(STAMP_PRE)  ## the sampler-trainer gap against length, no training: bf16, fp16 and float32 top-p 0.9 samplers against the float32 trainer on add2, addwork and SmolLM2 (its parts in .venv-pretrained): figures/engine.json and engine.png (about 35 min on 2 cores, resumable)
+	$(PY) studies/engine.py --pretrained-python $(PY_PRE)
 
 gpu-check: $(if $(NOVENV),,$(STAMP_PRE))  ## the CUDA path against the CPU, in minutes (in .venv-pretrained, for its GGUF steps); NOVENV=1 PYTHON=python3 uses the host's own packages
 	$(if $(NOVENV),$(PYTHON),$(PY_PRE)) studies/gpu_check.py

@@ -1917,6 +1917,70 @@ def test_natural_lengths_are_binned_with_trls_default_weight_and_verls_geometric
     assert bins[1]["share_masked_trl_default"] == 0.0 and bins[1]["share_rejected_geometric"] == 1.0
 
 
+def test_the_natural_view_bins_by_doubling_lengths_and_gives_the_cap_its_own_bin():
+    alive = torch.zeros(5, 8, dtype=torch.bool)
+    for row, n in enumerate([1, 3, 5, 8, 8]):
+        alive[row, :n] = True
+    d = torch.where(alive, -1e-3, 0.0).double()
+    view = engine.natural_view(d, alive, 8)
+    assert [b["lengths"] for b in view["bins"]] == [[1, 1], [2, 3], [4, 7], [8, 8]]
+    assert [b["sequences"] for b in view["bins"]] == [1, 1, 1, 2] and view["share_at_cap"] == 0.4
+    assert view["abs_log_s_p50"] == pytest.approx(1e-3) and view["length_p50"] == 5
+    assert all(b["mean_log_s"] == pytest.approx(-1e-3) and b["share_outside_gspo_band"] == 1 for b in view["bins"])
+
+
+def tiny_engine(tmp_path, monkeypatch, length=8):
+    """make engine's parts on a stand-in for add2 (the tiny model at its initial weights, 8 rows of
+    `length` tokens), kept in tmp_path/runs."""
+    tok = g.build_char_tokenizer()
+    torch.manual_seed(0)
+    model = g.build_tiny_model(tok)
+
+    def tiny(name, n, rng):
+        ids, attn = g.encode_prompts(tok, [g.prompt_text("add2", *p) for p in common.problems(n, rng)], "cpu")
+        return model, tok, ids, attn, length
+    monkeypatch.setattr(engine, "model_and_prompts", tiny)
+    monkeypatch.setattr(engine, "SIZES", {"add2": {"rows": 8, "length": None, "batch": 4}})
+    monkeypatch.setattr(engine, "N_BOOT", 20)
+    monkeypatch.setattr(engine, "FOLDER", str(tmp_path / "runs"))
+    engine.measure(["add2"])
+    return sorted(os.listdir(tmp_path / "runs"))
+
+
+def test_make_engine_measures_each_part_once_and_writes_every_key_the_spec_names(tmp_path, monkeypatch):
+    """Each model, sampler and view a part kept with its host and peak, a second invocation reusing
+    them, and engine.json's entries with the keys SPEC lists per model and sampler."""
+    made = tiny_engine(tmp_path, monkeypatch)
+    assert made == sorted(f"add2_{s}_{v}.json" for s in engine.SAMPLERS for v in engine.VIEWS)
+    stamps = [os.path.getmtime(tmp_path / "runs" / f) for f in made]
+    engine.measure(["add2"])                                              # resumed: nothing made again
+    assert stamps == [os.path.getmtime(tmp_path / "runs" / f) for f in made]
+    result = engine.assemble()
+    assert set(result["models"]) == {"add2"} and set(result["models"]["add2"]) == set(engine.SAMPLERS)
+    for sampler, r in result["models"]["add2"].items():
+        assert r["n"] == list(range(1, 9)) and r["sequences"] == 8 and r["z"] == engine.Z
+        for key in ("mean_log_s", "std_log_s", "mean_abs_log_s", "mean_kl_tokens", "share_outside_gspo_band",
+                    "share_below_band", "share_above_band", "mean_abs_d", "mean_kl"):
+            assert len(r[key]) == 8, key
+        assert {"abs_log_s_slope", "abs_log_s_slope_ci95", "kl_floor", "length_inside_band",
+                "length_inside_band_ci95"} <= set(r)
+        assert r["kl_floor"] > 0 and r["natural"]["cap"] == 8 and r["natural"]["bins"]
+        for b in r["natural"]["bins"]:
+            assert b["label"] == "EOS-selected" and {"trl_default_weight_p1", "trl_default_weight_p10",
+                                                     "trl_default_weight_p50", "share_masked_trl_default",
+                                                     "share_rejected_geometric"} <= set(b)
+    assert set(result["part_hosts"]) == {f[:-5] for f in made} and all(result["peak_rss_mb"].values())
+    assert result["engine_seconds"] == pytest.approx(sum(common.read_json(tmp_path / "runs" / f)["seconds"]
+                                                         for f in made))
+
+
+@pytest.mark.thorough          # 2 s of matplotlib
+def test_make_engine_draws_its_png(tmp_path, monkeypatch):
+    tiny_engine(tmp_path, monkeypatch, length=4)
+    engine.plot(engine.assemble(), str(tmp_path / "engine.png"))
+    assert os.path.getsize(tmp_path / "engine.png") > 0
+
+
 # --- the statistics the comparisons share (studies/common.py) ----------------------------------------
 def test_exact_sign_tests_match_the_binomial_table():
     assert common.binomial_tail(9, 10) == 11 / 1024 and common.binomial_tail(0, 7) == 1.0
