@@ -1981,6 +1981,12 @@ def test_make_engine_draws_its_png(tmp_path, monkeypatch):
     assert os.path.getsize(tmp_path / "engine.png") > 0
 
 
+def test_make_engines_sizes_fit_its_40_minutes_at_the_committed_prototypes_rates():
+    proto = common.read_json(engine.PROTOTYPE_JSON)
+    assert not proto["missing"] and "smollm2_bfloat16_rows32" in proto["parts"]
+    assert engine.projected_seconds(proto) < 0.85 * 40 * 60            # room for attention over 512 tokens
+
+
 # --- the statistics the comparisons share (studies/common.py) ----------------------------------------
 def test_exact_sign_tests_match_the_binomial_table():
     assert common.binomial_tail(9, 10) == 11 / 1024 and common.binomial_tail(0, 7) == 1.0
