@@ -193,6 +193,8 @@ class Config:
     """problems per warm-up step"""
     eval_every: int = 10
     """RL steps between validation evaluations (the warm-up checks every 20 steps)"""
+    eval_at: str = ""
+    """further RL steps to evaluate at, comma-separated (e.g. 2,4: an early collapse can be dated)"""
     val_size: int = 300
     """validation problems: they drive every decision"""
     test_size: int = 500
@@ -1265,7 +1267,7 @@ def ratio_metrics(logp_new, logp_old, adv, mask, loss: str, eps_low: float, eps_
             "n_clip_tokens": tok_clipped.sum().item(), "n_tokens": keep.sum().item(),
             "n_clip_seqs": seq_clipped.sum().item(), "n_gate_tokens": gated.sum().item(),
             "abs_log_s_q": quantiles(log_s.abs()), "abs_token_log_ratio_q": quantiles(delta[keep].abs()),
-            **by_sign}
+            "sum_old_minus_new": -delta[keep].sum().item(), **by_sign}
 
 
 def group_chunks(n_rows: int, group_size: int, minibatches: int, device) -> list[torch.Tensor]:
@@ -1288,7 +1290,9 @@ def summarise_minibatches(logs: list[dict]) -> dict:
     exceeds it, whatever the band. `grad_norm` is the largest of the minibatches' gradient norms
     (before clipping); `clip_seqs_by_minibatch` holds, per minibatch in order, its share of clipped
     sequences, and `abs_log_s_q` and `abs_token_log_ratio_q` the `quantiles` of |log s| and of the
-    token log-ratios |delta_t|; the engine gap is minibatch 1's. Where the sampler differs from the
+    token log-ratios |delta_t|, and `update_size_by_minibatch` the mean of log(pi_old / pi_theta)
+    over its tokens just before its update (0 for minibatch 1 with the trainer's pi_old: how far the
+    earlier updates of this rollout had moved the policy); the engine gap is minibatch 1's. Where the sampler differs from the
     trainer (`engine_differs`: minibatch 1 then carries `engine_log_s_mean`), also the clip shares
     among responses and tokens with A > 0 and with A < 0 (`clip_seqs_pos_adv`, ...), and
     --is-correction's mean weight and share of tokens weighted 0 where it is on.
@@ -1311,6 +1315,7 @@ def summarise_minibatches(logs: list[dict]) -> dict:
             **({"is_weight_mean": sum(m["is_weight_sum"] for m in logs) / tokens,
                 "is_masked_tokens": sum(m["n_is_zero"] for m in logs) / tokens} if "is_weight_sum" in logs[0] else {}),
             "clip_seqs_by_minibatch": [m["n_clip_seqs"] / len(m["s"]) for m in logs],
+            "update_size_by_minibatch": [m["sum_old_minus_new"] / max(m["n_tokens"], 1) for m in logs],
             "abs_log_s_q": [m["abs_log_s_q"] for m in logs],
             "abs_token_log_ratio_q": [m["abs_token_log_ratio_q"] for m in logs]}
 
@@ -1473,6 +1478,7 @@ def train(cfg: Config, model, tokenizer, device, run, stop) -> dict:
 
         # 2. GSPO: each step is one rollout and `minibatches` optimiser steps on it.
         opt, sched = rl_optimizer(model, cfg)
+        evaluate_at = eval_steps(cfg)                   # every eval_every steps, --eval-at's, the last
         for step in range(1, cfg.steps + 1):
             if stop.requested:
                 break
@@ -1491,7 +1497,7 @@ def train(cfg: Config, model, tokenizer, device, run, stop) -> dict:
             m = rl_update(model, opt, batch, cfg, eps_low, eps_high)
             sched.step()                                 # the learning rate decays once per rollout
             # Evaluate on the validation set, and checkpoint, every `eval_every` steps and at the end.
-            if step % cfg.eval_every == 0 or step == cfg.steps:
+            if step in evaluate_at:
                 m["val_acc"] = accuracy(model, tokenizer, task, splits["val"],
                                         cfg.max_new_tokens, device)
                 run.checkpoint(model, tokenizer)
@@ -2152,6 +2158,13 @@ def flag_of(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
+def eval_steps(cfg: Config) -> set[int]:
+    """The RL steps that end with a validation evaluation and a checkpoint: every --eval-every'th,
+    each of --eval-at's (a comma-separated list, checked by `validate`) and the last."""
+    extra = {int(v) for v in cfg.eval_at.split(",") if v.strip()}
+    return {step for step in range(1, cfg.steps + 1) if step % cfg.eval_every == 0} | extra | {cfg.steps}
+
+
 def validate(cfg: Config) -> None:
     """Raise BadInput for anything the run would choke on later: every flag is checked here, before
     a model is built or a file written."""
@@ -2191,6 +2204,12 @@ def validate(cfg: Config) -> None:
                        "own (tutorial section 10)")
     if cfg.sampler_dtype not in SAMPLER_DTYPES:
         raise BadInput(f"unknown --sampler-dtype {cfg.sampler_dtype!r}; choose one of {', '.join(SAMPLER_DTYPES)}")
+    try:
+        extra = [int(v) for v in cfg.eval_at.split(",") if v.strip()]
+    except ValueError:
+        raise BadInput(f"--eval-at takes RL steps separated by commas, e.g. 2,4; got {cfg.eval_at!r}") from None
+    if any(not 1 <= v <= cfg.steps for v in extra):
+        raise BadInput(f"--eval-at's steps must lie between 1 and --steps ({cfg.steps}), got {cfg.eval_at}")
     if cfg.old_logprobs not in ("trainer", "sampler"):
         raise BadInput(f"unknown --old-logprobs {cfg.old_logprobs!r}; choose trainer or sampler")
     if not 0 < cfg.top_p <= 1:

@@ -406,6 +406,9 @@ BAD_NUMBERS = {
     "negative warm-up steps": ["--warmup-max-steps", "-1"],
     "steps beyond reason": ["--steps", "100000000"],
     "zero eval-every": ["--eval-every", "0"],
+    "eval-at not a list of steps": ["--eval-at", "2;4"],
+    "eval-at beyond the run": ["--steps", "10", "--eval-at", "2,11"],
+    "eval-at step 0": ["--eval-at", "0"],
     "zero minibatches": ["--minibatches", "0"],
     "zero warm-up batch": ["--warmup-batch", "0"],
     "warm-up batch beyond reason": ["--warmup-batch", "10000000"],
@@ -1274,13 +1277,15 @@ def test_clip_shares_split_by_the_sign_of_the_advantage():
 
 def test_a_run_with_a_float16_sampler_and_a_correction_logs_the_engine(tmp_path):
     out = tmp_path / "f16"
-    assert g.main(["--sampler-dtype", "float16", "--is-correction", "sequence_geometric_mask", "--steps", "2",
+    assert g.main(["--sampler-dtype", "float16", "--is-correction", "sequence_geometric_mask", "--steps", "3",
                    "--warmup-max-steps", "0", "--prompts-per-step", "4", "--group-size", "4", "--minibatches",
-                   "2", "--val-size", "8", "--test-size", "8", "--out", str(out)]) == 0
+                   "2", "--val-size", "8", "--test-size", "8", "--eval-at", "1", "--out", str(out)]) == 0
     with open(out / "metrics.jsonl") as f:
         rl = [json.loads(line) for line in f if '"rl"' in line]
-    assert len(rl) == 2
+    assert len(rl) == 3 and ["val_acc" in r for r in rl] == [True, False, True]     # --eval-at 1, and the last
     for r in rl:
+        first, second = r["update_size_by_minibatch"]        # minibatch 1 is pi_old itself (trainer's pass)
+        assert first == 0 and math.isfinite(second)
         assert r["engine_kl_tokens"] > 0 and r["engine_gap_tokens"] > 0
         assert abs(r["engine_log_s_mean"]) <= r["engine_gap_seqs"] + 1e-12
         assert 0 <= r["is_masked_tokens"] <= 1 and r["is_weight_mean"] == pytest.approx(1 - r["is_masked_tokens"])

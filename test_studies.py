@@ -18,8 +18,8 @@ import torch
 
 import gspo_minimal as g
 from conftest import TINY, pre_split, tiny_llama_for
-from studies import (common, engine, family, figures, gpu_check, lens, long, map as regimes, metrics, pretrained,
-                     pretrained_seeds, speed, trl_compare, verify)
+from studies import (common, engine, family, figures, frontier, gpu_check, lens, long, map as regimes, metrics,
+                     pretrained, pretrained_seeds, speed, trl_compare, verify)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 EXTRAS = ("requirements-trl.txt", "requirements-pretrained.txt")
@@ -1350,7 +1350,8 @@ def test_lens_weights_are_each_objectives_gradient_in_closed_form():
 
 # --- the docs: every tagged number in results.md equals its committed JSON; every link resolves ------
 DOCS = ("README.md", "tutorial.md", "results.md")
-TAG = re.compile(r"`([\w.-]+\.json):([^`]+)`")
+# a number's JSON key sits right after it as an HTML comment: out of sight when rendered, read here
+TAG = re.compile(r"<!-- ([\w.-]+\.json):(.+?) -->")
 NUMBER = re.compile(r"(?<![\w.])[-+\u2212]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:[eE][-+]?\d+)?%?")
 
 
@@ -1396,19 +1397,22 @@ def tagged_numbers(markdown: str):
     """(line number, shown numbers, file, expression) for each tag: the numbers are those between the
     previous tag or cell border and the tag."""
     for lineno, line in enumerate(markdown.splitlines(), 1):
+        line = re.sub(r"`[^`]*`", lambda m: " " * len(m.group()), line)    # code spans hold no tag or number
         start = 0
         for m in TAG.finditer(line):
             segment = line[start:m.start()]
             segment = segment[segment.rfind("|") + 1:]
-            yield lineno, NUMBER.findall(re.sub(r"`[^`]*`", " ", segment)), m.group(1), m.group(2)
+            yield lineno, NUMBER.findall(segment), m.group(1), m.group(2)
             start = m.end()
 
 
-def test_every_tagged_number_in_results_md_equals_the_committed_json():
-    with open(os.path.join(HERE, "results.md")) as f:
+@pytest.mark.parametrize("doc", DOCS)
+def test_every_tagged_number_in_the_docs_equals_the_committed_json(doc):
+    with open(os.path.join(HERE, doc)) as f:
         text = f.read()
     tags = list(tagged_numbers(text))
-    assert len(tags) >= 40, "results.md should back its numbers with JSON keys"
+    if doc == "results.md":
+        assert len(tags) >= 40, "results.md should back its numbers with JSON keys"
     files: dict = {}
     for lineno, shown, name, expr in tags:
         if name not in files:
@@ -1416,10 +1420,10 @@ def test_every_tagged_number_in_results_md_equals_the_committed_json():
                 files[name] = json.load(f)
         value = tag_value(expr, files[name])
         values = value if isinstance(value, list) else [value]
-        assert len(shown) >= len(values), f"results.md:{lineno}: {len(values)} value(s) for {shown} ({expr})"
+        assert len(shown) >= len(values), f"{doc}:{lineno}: {len(values)} value(s) for {shown} ({expr})"
         for text, v in zip(shown[len(shown) - len(values):], values):
             assert isinstance(v, (int, float)) and shown_equals(text, float(v)), \
-                f"results.md:{lineno}: shows {text}, {name}:{expr} holds {v}"
+                f"{doc}:{lineno}: shows {text}, {name}:{expr} holds {v}"
 
 
 def test_the_tag_checker_catches_a_wrong_number():
@@ -1428,7 +1432,8 @@ def test_the_tag_checker_catches_a_wrong_number():
     assert not shown_equals("0.847", json_value(data, "runs[name=a].x"))
     assert shown_equals("84.6%", 0.8461) and shown_equals("1.69x".rstrip("x"), tag_value("runs[0].x / runs[1].x", data))
     assert shown_equals("3,751", 3751.2) and shown_equals("4.0e-05", 4.04e-5) and not shown_equals("4e-5", 6e-5)
-    lines = list(tagged_numbers("| GSPO | 0.10 and 0.25 `f.json:r` | 0.846 `f.json:runs[1].x` | 0.010-0.052 `f.json:r` |"))
+    lines = list(tagged_numbers("| GSPO | 0.10 and 0.25<!-- f.json:r --> | 0.846<!-- f.json:runs[1].x --> | "
+                                "0.010-0.052<!-- f.json:r --> |"))
     assert [shown for _, shown, _, _ in lines] == [["0.10", "0.25"], ["0.846"], ["0.010", "0.052"]]
 
 
@@ -1833,7 +1838,9 @@ def test_the_data_example_runs_the_tutorials_command():
 # --- provenance of the committed results ------------------------------------------------------------
 KEPT_COPIES = ("figures/figures_earlier_runs.json", "figures/pretrained_missed_goal.json",
                "figures/pretrained_previous_rollout.json", "figures/long_earlier_runs.json")   # earlier results kept beside their remake
-NOT_MADE_YET = ("figures/engine.json", "figures/engine.png")   # make engine's, its sizes set by its prototype
+NOT_MADE_YET = ("figures/engine_map.json", "figures/engine_map.png",   # make figures-engine's
+                "figures/frontier.json", "figures/frontier.png",  # make figures-frontier's, after its prototype
+                "figures/frontier_prototype.json")
 
 
 def test_every_committed_result_says_where_and_from_what_tree_it_was_made():
@@ -1858,7 +1865,7 @@ def test_each_committed_figure_file_is_one_targets_own_output():
     """The files a target leaves out of its dirty check (its OUTPUTS) are exactly the ones it writes:
     every committed file in figures/ belongs to one target, but the kept earlier copies."""
     owners = {}
-    for study in (figures, family, long, regimes, pretrained, pretrained_seeds, trl_compare, lens, engine):
+    for study in (figures, family, long, regimes, pretrained, pretrained_seeds, trl_compare, lens, engine, frontier):
         for out in study.OUTPUTS:
             assert out not in owners, f"{out}: {owners.get(out)} and {study.__name__}"
             owners[out] = study.__name__
@@ -1987,6 +1994,80 @@ def test_make_engines_sizes_fit_its_40_minutes_at_the_committed_prototypes_rates
     assert engine.projected_seconds(proto) < 0.85 * 40 * 60            # room for attention over 512 tokens
 
 
+# --- make figures-engine: what stops GSPO, what restores it (studies/engine.py) -----------------------
+BAND = {"abs_log_s_p90": 0.02, "eps_low": 1 - math.exp(-0.02), "eps_high": math.exp(0.02) - 1, "source": "test"}
+RATE = {"rate": 0.275, "source": "test"}
+
+
+def test_figures_engines_cells_pair_each_run_with_its_reference_and_widen_the_band_both_ways():
+    d = engine.em_design(BAND, RATE)
+    assert list(d["cells"]) == list(engine.EM_CELLS) and len(d["cells"]) == 10
+    assert d["cells"]["bf16_sampler"]["steps"] == 70 and d["cells"]["addwork_bf16_sampler"]["steps"] == 21
+    wide = common.job_config(engine.em_jobs(d, ["bf16_sampler_wide"], [0])[0])
+    assert math.log(1 + wide["eps_high"]) == pytest.approx(0.02, rel=1e-5)
+    assert math.log(1 - wide["eps_low"]) == pytest.approx(-0.02, rel=1e-5)
+    assert wide["old_logprobs"] == "sampler" and wide["sampler_dtype"] == "bfloat16"
+    assert d["cells"]["addwork_bf16_sampler"]["decided_by"] == "gspo(addwork_bf16_sampler) - gspo(addwork_bf16_trainer)"
+    jobs = engine.em_jobs(d, list(d["cells"]), [0, 1])
+    assert len(jobs) == 2 * sum(len(c["losses"]) for c in d["cells"].values())
+    gap = next(j for j in jobs if j["name"] == "gap_drop_gspo_s1")
+    ref = next(j for j in jobs if j["name"] == "bf16_trainer_gspo_s1")
+    assert gap["cmd"][1:5] == ["studies/engine.py", "_run", "gap", "0.275"] and gap["needs"] == ref["needs"]
+    a, b = common.job_config(gap), common.job_config(ref)
+    assert {k for k in a if a[k] != b[k]} == {"out"}              # the drop is the only difference
+    noise = engine.em_jobs(d, ["bf16_trainer"], [2], noise=True)
+    assert [j["name"] for j in noise] == ["bf16_trainer_gspo_s2_rl102"]
+    assert engine.em_projection(d)["seconds"] < engine.EM_BUDGET_SECONDS
+
+
+def test_figures_engines_rule_decides_each_cell_by_its_named_comparison():
+    d = engine.em_design(BAND, RATE)
+    acc = {c: {"gspo": {}, "grpo": {}, "noise": {}} for c in d["cells"]}
+    for s in (0, 1, 2):
+        acc["bf16_trainer"]["gspo"][s], acc["bf16_trainer"]["grpo"][s] = 0.80 + 0.01 * s, 0.79
+        acc["bf16_trainer"]["noise"][s] = 0.80
+        acc["gap_drop"]["gspo"][s] = 0.60 + 0.01 * s                  # 0.2 below its reference every seed
+        acc["random_drop"]["gspo"][s] = 0.80 + 0.01 * s + (0.01 if s == 1 else -0.01)
+    v = engine.em_verdicts(d, acc, (0, 1, 2))
+    assert v["gap_drop"]["differences_by_seed"] == {0: pytest.approx(-0.2), 1: pytest.approx(-0.2), 2: pytest.approx(-0.2)}
+    assert v["gap_drop"]["separates"] and v["gap_drop"]["noise_from"] == "the largest measured for add2"
+    assert v["gap_drop"]["noise"] == pytest.approx(0.02) and v["gap_drop"]["gspo_minus_grpo_by_seed"] is None
+    assert not v["random_drop"]["separates"] and v["random_drop"]["common_sign"] == 0
+    assert v["bf16_trainer"]["decided_by"] == "gspo - grpo" and not v["bf16_trainer"]["separates"]   # 0.01-0.03 < noise
+    assert v["addwork_bf16_sampler"]["median_difference"] is None and not v["addwork_bf16_sampler"]["separates"]
+
+
+def test_a_drop_run_zeroes_minibatch_ones_chosen_advantages_and_otherwise_is_the_plain_run(tmp_path, monkeypatch):
+    seen = []
+    original = g.rl_update
+
+    def spy(model, opt, batch, cfg, eps_low, eps_high):
+        seen.append(batch["advantages"].clone())
+        return original(model, opt, batch, cfg, eps_low, eps_high)
+    monkeypatch.setattr(g, "rl_update", spy)
+    flags = ["--sampler-dtype", "bfloat16", "--steps", "2", "--warmup-max-steps", "0", "--prompts-per-step", "4",
+             "--group-size", "4", "--minibatches", "2", "--val-size", "8", "--test-size", "8"]
+
+    def rl(out):
+        return [json.loads(line) for line in open(out / "metrics.jsonl") if '"rl"' in line]
+    assert engine.main(["_run", "random", "1", *flags, "--out", str(tmp_path / "all")]) == 0
+    assert [r["dropped_first_minibatch"] for r in rl(tmp_path / "all")] == [1.0, 1.0]
+    assert all((a == 0).sum() >= 8 for a in seen)          # minibatch 1's 8 rows at least
+    assert engine.main(["_run", "gap", "0", *flags, "--out", str(tmp_path / "gap")]) == 0
+    assert all(0 <= r["dropped_first_minibatch"] <= 1 for r in rl(tmp_path / "gap"))
+    assert engine.main(["_run", "random", "0", *flags, "--out", str(tmp_path / "none")]) == 0
+    assert g.main([*flags, "--out", str(tmp_path / "plain")]) == 0
+    clock = {"step_seconds", "elapsed", "cpu_seconds", "tokens_per_second", "dropped_first_minibatch"}
+    assert ([{k: v for k, v in r.items() if k not in clock} for r in rl(tmp_path / "none")]
+            == [{k: v for k, v in r.items() if k not in clock} for r in rl(tmp_path / "plain")])   # still paired
+    assert g.rl_update is spy                              # the child's patch is undone
+
+
+def test_figures_engine_waits_for_make_engines_json(tmp_path, capsys):
+    with pytest.raises(common.StudyFailed, match="run `make engine` first"):
+        engine.widened_band(str(tmp_path / "none.json"))
+
+
 # --- the statistics the comparisons share (studies/common.py) ----------------------------------------
 def test_exact_sign_tests_match_the_binomial_table():
     assert common.binomial_tail(9, 10) == 11 / 1024 and common.binomial_tail(0, 7) == 1.0
@@ -2027,6 +2108,117 @@ def test_firths_fit_is_a_stationary_point_of_the_penalised_likelihood_and_finite
     separated = common.firth_logistic([1, 1, 2, 2, 3, 3], [0, 0, 0, 1, 1, 1])   # plain ML: no finite fit
     assert math.isfinite(separated["slope"]) and separated["slope"] > 0
     assert separated["x_at_half"] == pytest.approx(2.0, abs=1e-6)              # symmetric data
+
+
+# --- make figures-frontier: the ladder, the pairs, the test (studies/frontier.py) ---------------------
+def test_the_frontiers_ladder_pairs_every_gspo_run_with_a_grpo_run_from_its_warm_up_and_rl_seed():
+    cells = frontier.cells({})
+    assert len(cells) == 9 and cells["dense_mb4_x1.5"]["flags"] == ["--minibatches", "4", "--lr", "0.0003"]
+    assert cells["dense_mb8_x2"]["flags"] == ["--minibatches", "8", "--lr", "0.0004"]
+    assert frontier.cells({"moe_mb4": 2})["moe_mb4_x4"]["multiplier"] == 4           # a shifted setting
+    jobs = frontier.jobs_of(cells, [0, 1])
+    warmups = [j for j in jobs if j["name"].startswith("warmup_")]
+    assert sorted(j["name"] for j in warmups) == ["warmup_dense_s0", "warmup_dense_s1", "warmup_moe_s0", "warmup_moe_s1"]
+    runs = [j for j in jobs if j not in warmups]
+    assert len(runs) == 9 * 2 * 2
+    for gspo in (j for j in runs if "_gspo_" in j["name"]):
+        grpo = next(j for j in runs if j["name"] == gspo["name"].replace("_gspo_", "_grpo_"))
+        assert gspo["needs"] == grpo["needs"] and gspo["needs"] in {w["done"] for w in warmups}
+        a, b = common.job_config(gspo), common.job_config(grpo)
+        assert {k for k in a if a[k] != b[k]} == {"loss", "out"}        # the pair differs in its objective only
+        assert a["steps"] == 40 and a["eval_every"] == 5 and a["eval_at"] == "2,4" and a["warmup_max_steps"] == 0
+    d = frontier.design(6)
+    assert d["evaluation_steps"] == [0, 2, 4, 5, 10, 15, 20, 25, 30, 35, 40] and d["pairs"] == 54
+    assert d["power"]["at_every_pair_discordant"]["smallest_significant_split"] == common.smallest_significant_split(54)
+
+
+def test_the_frontier_dates_a_collapse_from_the_first_evaluation_it_stays_collapsed():
+    at = frontier.collapsed_at_step
+    # the definition needs its last two evaluations low: a run is collapsed from the second of them
+    assert at(0.4, {2: 0.42, 4: 0.30, 5: 0.28, 10: 0.1}) == 5
+    assert at(0.4, {2: 0.30, 4: 0.42, 5: 0.28, 10: 0.1}) == 10         # recovered at 4: dated after it
+    assert at(0.4, {2: 0.42, 4: 0.45, 5: 0.44}) is None
+
+
+def fake_frontier_runs(collapse: dict) -> list[dict]:
+    """Runs for every (cell, loss, seed) with `collapsed` from collapse[(cell, loss)] (a set of seeds)."""
+    runs = []
+    for name, c in frontier.cells({}).items():
+        for seed in range(6):
+            for loss in frontier.LOSSES:
+                down = seed in collapse.get((name, loss), set())
+                runs.append({"name": f"{name}_{loss}_s{seed}", "cell": name, "setting": c["setting"], "model": c["model"],
+                             "multiplier": c["multiplier"], "loss": loss, "seed": seed, "collapsed": down,
+                             "accuracy_after_rl": (0.1 if down else 0.8) + 0.01 * seed})
+    return runs
+
+
+def test_the_frontiers_test_counts_discordant_pairs_and_reads_the_frontier():
+    # GRPO collapses from 2x on (every seed), GSPO only at 3x (seeds 0-2): 6 (mb4 2x) + 3 (mb4 3x,
+    # seeds 3-5) + 6 (mb8 2x) + 6 (moe 2x) pairs in which only GRPO collapsed, none the other way
+    collapse = {("dense_mb4_x2", "grpo"): set(range(6)), ("dense_mb4_x3", "grpo"): set(range(6)),
+                ("dense_mb4_x3", "gspo"): {0, 1, 2}, ("dense_mb8_x2", "grpo"): set(range(6)),
+                ("moe_mb4_x2", "grpo"): set(range(6))}
+    runs = fake_frontier_runs(collapse)
+    t = frontier.the_test(runs, n_perm=2000)
+    assert (t["only_grpo_collapsed"], t["only_gspo_collapsed"], t["both_collapsed"]) == (21, 0, 3)
+    assert t["pairs"] == 54 and t["p_one_sided"] == 2.0 ** -21 and t["called"]
+    # the permutation's unit is a warm-up: 12 of them, each swapped whole: p near 2^-12 at best
+    assert t["permutation_units"] == 12 and t["permutation_p"] < 0.01 and t["confirmed_by_permutation"]
+    f = frontier.frontier_of(runs, frontier.cells({}))
+    assert f["dense_mb4"]["gspo"]["frontier_multiplier"] > f["dense_mb4"]["grpo"]["frontier_multiplier"]
+    assert 1.5 < f["dense_mb4"]["grpo"]["frontier_multiplier"] < 2 < f["dense_mb4"]["gspo"]["frontier_multiplier"] < 3.5
+    assert f["dense_mb8"]["gspo"]["frontier"] == "above 2x" and "frontier" not in f["moe_mb4"]["gspo"]
+    assert f["moe_mb4"]["grpo"]["collapse_share_by_multiplier"] == {"1": 0.0, "2": 1.0}
+    cell = frontier.cell_summary(runs, "dense_mb4_x2")
+    assert cell["grpo"]["collapse_share"] == 1 and cell["gspo"]["collapse_share_ci95"][0] == 0
+    assert cell["median_difference"] == pytest.approx(0.7) and cell["sign_test_p_two_sided"] == 2 / 64
+    assert cell["median_difference_ci95"] == [pytest.approx(0.7), pytest.approx(0.7)]
+    assert frontier.wilson(0, 6)[0] == 0 and 0 < frontier.wilson(3, 6)[0] < 0.5 < frontier.wilson(3, 6)[1] < 1
+    none = frontier.the_test(fake_frontier_runs({}), n_perm=100)
+    assert none["only_grpo_collapsed"] == none["only_gspo_collapsed"] == 0 and not none["called"]
+
+
+def test_the_frontiers_prototype_rules_shift_the_ladder_and_fix_the_warm_ups_from_timings():
+    proto_cells = {name: {"setting": c["setting"], "multiplier": c["multiplier"], "run_seconds": 25.0,
+                          "collapse_share": {"gspo": 1.0 if c["setting"] == "moe_mb4" else 0.0,
+                                             "grpo": 1.0 if c["setting"] == "moe_mb4" else 0.5 * (c["multiplier"] > 1)}}
+                   for name, c in frontier.cells({}).items()}
+    assert frontier.shift_of(proto_cells) == {"moe_mb4": 0.5}     # every MoE run collapsed; the dense ladders bracket
+    proto = {"cells": proto_cells, "warmup_seconds": {"dense": 60.0, "moe": 100.0}}
+    n = frontier.warmups_that_fit(proto)
+    assert frontier.MIN_WARMUPS <= n <= frontier.MAX_WARMUPS
+    assert frontier.projection(proto, n)["seconds"] <= frontier.PROJECTION_MARGIN * frontier.BUDGET_SECONDS
+    assert n == frontier.MAX_WARMUPS or (frontier.projection(proto, n + 1)["seconds"]
+                                         > frontier.PROJECTION_MARGIN * frontier.BUDGET_SECONDS)
+    d = frontier.design(n, proto)
+    assert d["power"]["expected_discordant_pairs"] == pytest.approx(n * (5 * 0.5 + 0))   # the five 0/0.5 cells
+
+
+def test_a_frontier_run_record_reads_its_curve_its_collapse_and_its_update_sizes(tmp_path):
+    warm = tmp_path / "warmup_dense_s0"
+    warm.mkdir()
+    (warm / "metrics.jsonl").write_text(json.dumps({"stage": "warmup", "step": 20, "val_acc": 0.4}) + "\n")
+    run = tmp_path / "r"
+    run.mkdir()
+    curve = {2: 0.41, 4: 0.2, 5: 0.1}
+    rows = [{"stage": "rl", "step": t, "clip_tokens": 0.1, "clip_seqs": 0.2, "grad_norm": 1.0 + t,
+             "update_size_by_minibatch": [0.0, 1e-3 * t], **({"val_acc": curve[t]} if t in curve else {})}
+            for t in range(1, 6)]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (run / "summary.json").write_text(json.dumps({"loss": "grpo", "accuracy_before_rl": 0.4, "accuracy_after_rl": 0.1,
+                                                 "wall_seconds": 9.0, "rl_seconds": 8.0}))
+    c = frontier.cells({})["dense_mb4_x3"]
+    r = frontier.run_record("r", "dense_mb4_x3", c, 0, str(tmp_path), str(warm))
+    assert r["collapsed"] and r["collapsed_at_step"] == 5 and r["val_acc_at_rl_start"] == 0.4
+    assert r["update_size_by_step"][4] == [0.0, 5e-3] and r["update_size_last_minibatch_median"] == pytest.approx(3e-3)
+    assert r["grad_norm_max"] == 6.0 and r["multiplier"] == 3
+
+
+def test_the_frontier_refuses_to_run_before_the_prototype_fixes_its_warm_ups(monkeypatch, capsys):
+    monkeypatch.setattr(frontier, "WARMUPS", None)
+    assert frontier.main([]) == 2
+    assert "not fixed yet" in capsys.readouterr().err
 
 
 def test_the_maps_committed_cells_come_again_from_its_runs_through_the_shared_statistics():

@@ -35,9 +35,11 @@ per-length means are not -K (test_identities.py's counterexample).
 """
 from __future__ import annotations
 
+import json
 import math
 import os
 import random
+import statistics
 import sys
 import time
 
@@ -46,11 +48,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 import gspo_minimal as g  # noqa: E402
-from studies.common import (Parser, bootstrap_slopes, cli, fail, in_own_process, kept_part,  # noqa: E402
-                            load_checkpoint, read_json, reuse_problem, run_jobs, smollm_gguf, write_json)
+from studies.common import (Ledger, Parser, bootstrap_slopes, cli, common_sign, fail, in_own_process,  # noqa: E402
+                            kept_part, load_checkpoint, paired_differences, read_json, reuse_problem, run_jobs,
+                            script_job, second_stream_noise, smollm_gguf, write_json)
 
 # The files this target writes into figures/ (left out of its dirty check).
-OUTPUTS = ("figures/engine.json", "figures/engine.png", "figures/engine_prototype.json")
+OUTPUTS = ("figures/engine.json", "figures/engine.png", "figures/engine_prototype.json",
+           "figures/engine_map.json", "figures/engine_map.png")
 FOLDER = "runs/engine"
 PROTOTYPE_JSON = "figures/engine_prototype.json"
 
@@ -339,11 +343,20 @@ def part_settings(name: str) -> dict:
     return {"size": SIZES[name], "z": Z, "n_boot": N_BOOT, "seed": SEED}
 
 
-def measure(models: list[str]) -> None:
-    """Every part of `models` in this process, each kept in runs/engine/ with its host and peak."""
+# SmolLM2's parts run one to a process, glibc told to hand back every block of 1 MiB or more when
+# freed (make pretrained's setting): in one process, a part's peak counted what earlier parts had
+# freed but the allocator kept (figures/engine.json's first run: 4,182 MiB in its fifth part).
+SMOLLM_ENV = {"MALLOC_MMAP_THRESHOLD_": str(1 << 20)}
+
+
+def measure(models: list[str], only: tuple[str, str] | None = None) -> None:
+    """Every part of `models` (or only the sampler and view `only`) in this process, each kept in
+    runs/engine/ with its host and peak."""
     for name in models:
         for sampler in SAMPLERS:
             for view in VIEWS:
+                if only is not None and (sampler, view) != only:
+                    continue
                 part = kept_part(FOLDER, "engine", part_name(name, sampler, view),
                                  lambda: measure_part(name, sampler, view), own_peak=True,
                                  settings={**part_settings(name), "sampler": sampler, "view": view})
@@ -403,15 +416,370 @@ def plot(result: dict, path: str = "figures/engine.png") -> None:
         for sampler, r in by_sampler.items():
             ax.plot(r["n"], r["mean_abs_log_s"], color=colours[sampler], label=f"{sampler}: mean |log s|")
             ax.axhline(r["kl_floor"], color=colours[sampler], ls=":", lw=1)
-        ax.axhspan(1e-9, -GSPO_BAND[0], color="grey", alpha=0.15)
+        ax.axhspan(1e-6, -GSPO_BAND[0], color="grey", alpha=0.15)
         ax.axhline(-GSPO_BAND[0], color="black", lw=1, label="GSPO band (3e-4 / 4e-4)")
         ax.axhline(GSPO_BAND[1], color="black", lw=1)
         ax.axhline(-GRPO_BAND[0], color="grey", ls="--", lw=1, label="GRPO token band (0.22 / 0.24)")
         ax.axhline(GRPO_BAND[1], color="grey", ls="--", lw=1)
-        ax.set(xscale="log", yscale="log", xlabel="prefix length n (tokens, EOS suppressed)",
+        natural = statistics.median(r["natural"]["length_p50"] for r in by_sampler.values())
+        ax.axvline(natural, color="grey", ls=":", lw=1, label="median natural length (EOS allowed)")
+        ax.set(xscale="log", yscale="log", ylim=(1e-5, 0.5), xlabel="prefix length n (tokens, EOS suppressed)",
                title=f"{name} ({next(iter(by_sampler.values()))['sequences']} sequences per sampler)")
-    axes[0].set_ylabel("mean |log s| over the first n tokens (dotted: exact KL floor)")
-    axes[0].legend(fontsize=7)
+    axes[0].set_ylabel("mean |log s| over the first n tokens")
+    axes[0].legend(fontsize=7, title="dotted: each sampler's exact KL floor", title_fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# ---------------------------------------------------------------------------------------------
+# make figures-engine: what stops GSPO with the sampler's pi_old, and what restores it. On add2,
+# each cell from make figures-map's warm-ups (seeds 0-2; 3 and 4 with CONFIRM=1) at its step count,
+# one comparison named per cell, the map's rule; addwork's natural answers as the length check.
+# ---------------------------------------------------------------------------------------------
+EM_RUNS = "runs/engine_map"
+EM_JSON = "figures/engine_map.json"
+EM_SEEDS = (0, 1, 2)
+EM_CONFIRM_SEEDS = (3, 4)
+EM_NOISE_OFFSET = 100               # GSPO's second RL stream: --seed s + 100 from the same warm-up
+EM_BUDGET_SECONDS = 60 * 60
+EM_CONFIRM_BUDGET_SECONDS = 20 * 60
+BF16 = ["--sampler-dtype", "bfloat16"]
+FP16 = ["--sampler-dtype", "float16"]
+FROM_SAMPLER = ["--old-logprobs", "sampler"]
+GEO_MASK = ["--is-correction", "sequence_geometric_mask"]          # verl's preset, 1/1.001 and 1.001
+# name: (model, flags, losses, the deciding comparison: "gspo - grpo" in the cell, or the reference
+# cell whose GSPO runs this cell's GSPO runs are paired with, seed by seed; drop: minibatch 1's)
+EM_CELLS = {
+    "bf16_trainer": ("dense", BF16, ("gspo", "grpo"), "gspo - grpo", None),
+    "bf16_sampler": ("dense", BF16 + FROM_SAMPLER, ("gspo", "grpo"), "gspo - grpo", None),
+    "bf16_sampler_wide": ("dense", BF16 + FROM_SAMPLER + ["WIDE"], ("gspo",), "bf16_sampler", None),
+    "wide_trainer": ("dense", BF16 + ["WIDE"], ("gspo",), "bf16_trainer", None),
+    "random_drop": ("dense", BF16, ("gspo",), "bf16_trainer", "random"),
+    "gap_drop": ("dense", BF16, ("gspo",), "bf16_trainer", "gap"),
+    "fp16_sampler": ("dense", FP16 + FROM_SAMPLER, ("gspo", "grpo"), "bf16_sampler", None),
+    "bf16_trainer_geo_mask": ("dense", BF16 + GEO_MASK, ("gspo", "grpo"), "bf16_trainer", None),
+    "addwork_bf16_trainer": ("addwork", BF16, ("gspo", "grpo"), "gspo - grpo", None),
+    "addwork_bf16_sampler": ("addwork", BF16 + FROM_SAMPLER, ("gspo", "grpo"), "addwork_bf16_trainer", None)}
+EM_NOISE_FIRST = ("bf16_trainer", "addwork_bf16_trainer")   # each task's noise measured up front
+EM_RULE = ("metric: accuracy_after_rl (test set). Each cell is decided by the one comparison its design "
+           "names: 'gspo - grpo' pairs the cell's GSPO and GRPO runs of a seed; a reference cell pairs the "
+           "cell's GSPO run of seed s with the reference's GSPO run of seed s (the same warm-up and RL seed). "
+           "A cell's noise is the largest |GSPO(s) - GSPO(s, second RL stream)| over its seeds (--seed s + "
+           "100 from the same warm-up), measured up front in bf16_trainer and addwork_bf16_trainer and in "
+           "every cell whose three differences share a sign; a cell without its own uses the largest "
+           "measured for its task. A cell separates when its three differences have the same sign (a zero "
+           "breaks it) and |median| exceeds its noise. Confirmation (CONFIRM=1): seeds 3 and 4 for at most "
+           "the two separating cells with the largest |median| (and, for a reference comparison, the "
+           "reference's GSPO runs of those seeds); confirmed only with 5 of 5 same signs and |median of 5| "
+           "above the noise. The confirmation's two new seeds carry p = 1/4 on their own (the same sign by "
+           "chance), so a call rests on the size of the median against the noise as much as on the signs.")
+
+
+def widened_band(engine_json: str = "figures/engine.json") -> dict:
+    """GSPO's band widened to the 90th percentile of |log s| that make engine measured on add2's
+    bf16 sampler at natural lengths: log s in [-p90, p90], i.e. eps_low = 1 - e^-p90, eps_high =
+    e^p90 - 1 (both sides as wide, in log space)."""
+    if not os.path.exists(engine_json):
+        fail(f"make figures-engine widens GSPO's band from {engine_json}: run `make engine` first")
+    p90 = read_json(engine_json)["models"]["add2"]["bfloat16"]["natural"]["abs_log_s_p90"]
+    return {"abs_log_s_p90": p90, "eps_low": 1 - math.exp(-p90), "eps_high": math.exp(p90) - 1,
+            "source": f"{engine_json}: models.add2.bfloat16.natural.abs_log_s_p90"}
+
+
+def drop_rate(map_json: str = "figures/map.json") -> dict:
+    """random_drop's rate: the share of minibatch 1's sequences GSPO clipped in make figures-map's
+    bf16_sampler cell, over its runs (first_minibatch_clip, the median over seeds of each run's mean)."""
+    rate = read_json(map_json)["first_minibatch_clip"]["by_cell"]["bf16_sampler"]["gspo"]["minibatch_1_mean_median"]
+    return {"rate": rate, "source": f"{map_json}: first_minibatch_clip.by_cell.bf16_sampler.gspo.minibatch_1_mean_median"}
+
+
+def em_steps(model: str) -> int:
+    """The map's step count: its step fraction of the model's default steps."""
+    from studies import map as regimes
+    return max(10, round(regimes.STEP_FRACTION * regimes.MODELS[model]["default_steps"]))
+
+
+def em_flags(cell: str, band: dict) -> list[str]:
+    model, flags, *_ = EM_CELLS[cell]
+    from studies import map as regimes
+    wide = ["--eps-low", f"{band['eps_low']:.6g}", "--eps-high", f"{band['eps_high']:.6g}"]
+    return regimes.MODELS[model]["task"] + [f for flag in flags for f in (wide if flag == "WIDE" else [flag])]
+
+
+def em_design(band: dict | None = None, rate: dict | None = None) -> dict:
+    """Everything the measured run is held to, written into engine_map.json before it starts."""
+    band = band or widened_band()
+    rate = rate or drop_rate()
+    cells = {}
+    for name, (model, _, losses, against, drop) in EM_CELLS.items():
+        cells[name] = {"model": model, "task": "addwork" if model == "addwork" else "add2",
+                       "flags": em_flags(name, band), "losses": list(losses), "steps": em_steps(model),
+                       "decided_by": against if against == "gspo - grpo" else f"gspo({name}) - gspo({against})",
+                       "drop_in_minibatch_1": drop}
+    return {"cells": cells, "seeds": list(EM_SEEDS), "confirm_seeds": list(EM_CONFIRM_SEEDS),
+            "noise_rl_seed_offset": EM_NOISE_OFFSET, "noise_measured_first_in": list(EM_NOISE_FIRST),
+            "widened_band": band, "random_drop_rate": rate,
+            "gap_drop": "in minibatch 1 only, the sequences whose s from the sampler's record against the "
+                        "trainer's pass at theta_old lies outside GSPO's band on the side that clips for the "
+                        "sign of their advantage: their advantage set to 0 there (a clipped sequence's "
+                        "gradient is 0 and it stays in the 1/G mean, as here); random_drop likewise at the rate",
+            "warmups": "make figures-map's (runs/map/warmup_dense_s<seed>; addwork: make figures-long's), made "
+                       "where missing",
+            "decision_rule": EM_RULE, "budget_seconds": EM_BUDGET_SECONDS,
+            "confirm_budget_seconds": EM_CONFIRM_BUDGET_SECONDS,
+            "null_probabilities": {"same_sign_3_of_3_per_cell": 0.25,
+                                   "at_least_one_of_10_cells": 1 - 0.75 ** len(EM_CELLS),
+                                   "same_sign_5_of_5_per_cell": 1 / 16},
+            "workers": 2, "threads_per_run": 1}
+
+
+def em_run_name(cell: str, loss: str, seed: int, rl_seed: int | None = None) -> str:
+    return f"{cell}_{loss}_s{seed}" + ("" if rl_seed in (None, seed) else f"_rl{rl_seed}")
+
+
+def em_jobs(design: dict, cells, seeds, noise: bool = False, losses=None) -> list[dict]:
+    """Each cell's runs (or, with `noise`, GSPO's second RL streams) of `seeds`, each waiting for
+    its warm-up; a drop cell's run goes through `python studies/engine.py _run KIND RATE ...`."""
+    from studies import map as regimes
+    jobs = []
+    for cell in cells:
+        c = design["cells"][cell]
+        for seed in seeds:
+            warm = regimes.warmup_job(c["model"], seed)
+            ckpt = os.path.join(os.path.dirname(warm["done"]), "checkpoint")
+            todo = [("gspo", seed + EM_NOISE_OFFSET)] if noise else [(loss, seed) for loss in (losses or c["losses"])]
+            for loss, rl_seed in todo:
+                name = em_run_name(cell, loss, seed, rl_seed)
+                args = ["--model", ckpt, "--warmup-max-steps", "0", "--seed", str(rl_seed), "--loss", loss, *c["flags"]]
+                job = script_job(name, args, EM_RUNS, c["steps"], needs=warm["done"])
+                if c["drop_in_minibatch_1"]:
+                    out = job["cmd"][2:]                                  # the script's flags
+                    job = {**job, "cmd": [sys.executable, "studies/engine.py", "_run", c["drop_in_minibatch_1"],
+                                          f"{design['random_drop_rate']['rate']:.6g}", *out], "argv": out}
+                jobs.append(job)
+    return jobs
+
+
+def drop_run(kind: str, rate: float, argv: list[str]) -> int:
+    """gspo_minimal.main(argv) with minibatch 1's chosen sequences given advantage 0 at every step:
+    `random`, each with probability `rate` (its own generator, seeded by the run's seed and step);
+    `gap`, those the sampler's record as pi_old would have clipped on their active side. The random
+    state is restored after drawing the chunks, so nothing else differs from the plain run. The
+    step's metrics gain `dropped_first_minibatch`, the share of minibatch 1's rows dropped."""
+    original, step = g.rl_update, [0]
+
+    def rl_update(model, opt, batch, cfg, eps_low, eps_high):
+        step[0] += 1
+        state = torch.get_rng_state()        # rl_update draws the same chunks again: the run stays paired
+        first = g.group_chunks(len(batch["rewards"]), cfg.group_size, cfg.minibatches, batch["rewards"].device)[0]
+        torch.set_rng_state(state)
+        mask = batch["mask"][first] != 0
+        if kind == "random":
+            gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step[0])
+            drop = torch.rand(len(first), generator=gen) < rate
+        else:
+            with torch.no_grad():
+                lp = g.group_policy_logprobs(model, batch["prompt_ids"][first], batch["prompt_mask"][first],
+                                             batch["completions"][first], cfg.group_size, temperature=cfg.temperature)
+            s = torch.exp(g.sequence_log_ratio(lp, batch["sampler_logprobs"][first].to(lp.dtype), mask))
+            drop = g.clipped_on_active_side(s, batch["advantages"][first], eps_low, eps_high) & mask.any(-1)
+        adv = batch["advantages"].clone()
+        adv[first[drop]] = 0
+        m = original(model, opt, {**batch, "advantages": adv}, cfg, eps_low, eps_high)
+        m["dropped_first_minibatch"] = drop.double().mean().item()
+        return m
+    g.rl_update = rl_update
+    try:
+        return g.main(argv)
+    finally:
+        g.rl_update = original
+
+
+def em_projection(design: dict, proto_json: str = "figures/map_prototype.json") -> dict:
+    """The first phase's seconds from make figures-map's prototype timings, 2 runs at a time: every
+    cell's runs, the up-front noise runs, and an allowance of two more cells' noise runs (the bf16
+    cells' seconds per step for add2; addwork_deep_hot's, with 16 minibatches, for addwork: an upper bound)."""
+    proto = read_json(proto_json)["cells"]
+    per = {"dense": proto["bf16_trainer"], "addwork": proto["addwork_deep_hot"]}
+
+    def run_seconds(cell):
+        c = design["cells"][cell]
+        t = per[c["model"]]
+        return t["overhead_seconds"] + c["steps"] * t["seconds_per_step"]
+    runs = sum(len(EM_SEEDS) * len(c["losses"]) * run_seconds(n) for n, c in design["cells"].items())
+    noise = sum(len(EM_SEEDS) * run_seconds(n) for n in EM_NOISE_FIRST)
+    others = sorted((run_seconds(n) for n in design["cells"] if n not in EM_NOISE_FIRST), reverse=True)[:2]
+    total = (runs + noise + len(EM_SEEDS) * sum(others)) / 2
+    return {"seconds": total, "runs": runs / 2, "noise": noise / 2, "allowance": len(EM_SEEDS) * sum(others) / 2}
+
+
+def em_collect(design: dict, seeds) -> tuple[list[dict], dict]:
+    """The records of every finished run (the map's run record, plus the drop share where logged) and
+    accuracy_after_rl by cell, slot (gspo, grpo, noise) and seed."""
+    from studies import map as regimes
+    records, acc = [], {}
+    for cell, c in design["cells"].items():
+        a = {"gspo": {}, "grpo": {}, "noise": {}}
+        for seed in seeds:
+            for loss, rl_seed, slot in (("gspo", seed, "gspo"), ("grpo", seed, "grpo"),
+                                        ("gspo", seed + EM_NOISE_OFFSET, "noise")):
+                name = em_run_name(cell, loss, seed, rl_seed)
+                if not os.path.exists(os.path.join(EM_RUNS, name, "summary.json")):
+                    continue
+                s = read_json(os.path.join(EM_RUNS, name, "summary.json"))
+                rl = [json.loads(line) for line in open(os.path.join(EM_RUNS, name, "metrics.jsonl"))
+                      if '"rl"' in line]
+                rec = {"name": name, "cell": cell, "loss": loss, "seed": seed, "rl_seed": rl_seed,
+                       "command": s.get("command"), "steps": len(rl),
+                       "accuracy_before_rl": s["accuracy_before_rl"], "accuracy_after_rl": s["accuracy_after_rl"],
+                       "clip_seqs": statistics.fmean(r["clip_seqs"] for r in rl),
+                       "clip_seqs_minibatch_1": statistics.fmean(r["clip_seqs_by_minibatch"][0] for r in rl),
+                       **{k: statistics.fmean(r[k] for r in rl) for k in ("engine_log_s_mean", "engine_kl_tokens",
+                                                                           "clip_seqs_pos_adv", "clip_seqs_neg_adv",
+                                                                           "is_masked_tokens",
+                                                                           "dropped_first_minibatch") if k in rl[0]},
+                       "wall_seconds": s["wall_seconds"]}
+                warm = regimes.warm_path(c["model"], seed)
+                w = [r for r in regimes.read_metrics(os.path.basename(warm), os.path.dirname(warm)) if "val_acc" in r]
+                curve = [r["val_acc"] for r in rl if "val_acc" in r]
+                rec["collapsed"] = bool(w) and regimes.is_collapsed(w[-1]["val_acc"], curve)
+                records.append(rec)
+                a[slot][seed] = s["accuracy_after_rl"]
+        acc[cell] = a
+    return records, acc
+
+
+def em_verdicts(design: dict, acc: dict, seeds) -> dict:
+    """The rule per cell: its named comparison's paired differences, their median and common sign,
+    the noise and where it came from, and `separates`."""
+    task = {c: v["task"] for c, v in design["cells"].items()}
+    own = {c: second_stream_noise(a["gspo"], a["noise"]) for c, a in acc.items()}
+    by_task: dict[str, float] = {}
+    for c, n in own.items():
+        if n is not None:
+            by_task[task[c]] = max(n, by_task.get(task[c], 0.0))
+    out = {}
+    for cell, a in acc.items():
+        against = EM_CELLS[cell][3]
+        other = a["grpo"] if against == "gspo - grpo" else acc[against]["gspo"]
+        diffs = paired_differences(a["gspo"], other, seeds)
+        median = statistics.median(diffs) if diffs else None
+        sign = common_sign(diffs) if len(diffs) == len(seeds) else 0
+        noise = own[cell] if own[cell] is not None else by_task.get(task[cell])
+        out[cell] = {"decided_by": design["cells"][cell]["decided_by"],
+                     "differences_by_seed": dict(zip(seeds, diffs)), "median_difference": median,
+                     "common_sign": sign, "noise": noise,
+                     "noise_from": ("its own second RL streams" if own[cell] is not None else
+                                    f"the largest measured for {task[cell]}" if noise is not None else None),
+                     "separates": bool(sign and noise is not None and abs(median) > noise),
+                     "gspo_minus_grpo_by_seed": (dict(zip(seeds, paired_differences(a["gspo"], a["grpo"], seeds)))
+                                                 if a["grpo"] else None)}
+    return out
+
+
+def em_write_design() -> dict:
+    """engine_map.json before any run: the design and its projected time, no runs; one holding runs
+    made under another design is never overwritten."""
+    d = em_design()
+    if os.path.exists(EM_JSON):
+        old = read_json(EM_JSON)
+        if old.get("runs") and old.get("design") != json.loads(json.dumps(d, allow_nan=False)):
+            fail(f"{EM_JSON} holds runs made under another design; move it away to start over")
+        if old.get("runs"):
+            return old
+    record = {"figures_engine_seconds": 0.0, "design": d, "projection": em_projection(d), "runs": [], "cells": {}}
+    write_json(EM_JSON, record, "python studies/engine.py figures-design", 0.0)
+    return record
+
+
+def figures_engine(confirm: bool = False) -> dict:
+    """make figures-engine: the first phase (every cell, the up-front noise, then the noise of each
+    cell whose signs agree), or with `confirm` seeds 3 and 4 of at most two separating cells."""
+    from studies import map as regimes
+    record = em_write_design()
+    d = record["design"]
+    ledger = Ledger(os.path.join(EM_RUNS, ("confirm" if confirm else "first_phase") + "_seconds.json"))
+    try:
+        if not confirm:
+            warm = [regimes.warmup_job(m, s) for m in ("dense", "addwork") for s in EM_SEEDS]
+            run_jobs(warm + em_jobs(d, d["cells"], EM_SEEDS) + em_jobs(d, EM_NOISE_FIRST, EM_SEEDS, noise=True), EM_RUNS)
+            _, acc = em_collect(d, EM_SEEDS)
+            agree = [c for c, v in em_verdicts(d, acc, EM_SEEDS).items() if v["common_sign"] and c not in EM_NOISE_FIRST]
+            run_jobs(em_jobs(d, agree, EM_SEEDS, noise=True), EM_RUNS)
+        else:
+            if not record.get("cells"):
+                fail(f"{EM_JSON} has no first phase yet: run `make figures-engine` first")
+            chosen = sorted((c for c, v in record["cells"].items() if v["separates"]),
+                            key=lambda c: -abs(record["cells"][c]["median_difference"]))[:2]
+            record["confirmation"] = {"cells": chosen, "seeds": list(EM_SEEDS + EM_CONFIRM_SEEDS)}
+            jobs = [regimes.warmup_job(d["cells"][c]["model"], s) for c in chosen for s in EM_CONFIRM_SEEDS]
+            for c in chosen:
+                jobs += em_jobs(d, [c], EM_CONFIRM_SEEDS)
+                against = EM_CELLS[c][3]
+                if against != "gspo - grpo":
+                    jobs += em_jobs(d, [against], EM_CONFIRM_SEEDS, losses=("gspo",))
+            unique = {j["name"]: j for j in jobs}
+            run_jobs(list(unique.values()), EM_RUNS)
+    finally:
+        ledger.close()
+    seeds = EM_SEEDS + (EM_CONFIRM_SEEDS if confirm else ())
+    record["runs"], acc = em_collect(d, seeds)
+    first = {c: {k: {s: v for s, v in a[k].items() if s in EM_SEEDS} for k in a} for c, a in acc.items()}
+    record["cells"] = em_verdicts(d, first, EM_SEEDS)
+    for cell, v in record["cells"].items():
+        mine = [r for r in record["runs"] if r["cell"] == cell and r["seed"] in EM_SEEDS and r["rl_seed"] == r["seed"]]
+        v["collapses"] = {loss: sum(r["collapsed"] for r in mine if r["loss"] == loss) for loss in EM_CELLS[cell][2]}
+    if confirm:
+        chosen = record["confirmation"]["cells"]
+        five = em_verdicts(d, {c: acc[c] for c in acc}, EM_SEEDS + EM_CONFIRM_SEEDS)
+        record["confirmation"]["by_cell"] = {}
+        for c in chosen:
+            v = {**five[c], "noise": record["cells"][c]["noise"]}            # the noise stays the first phase's
+            v["confirmed"] = bool(v["common_sign"] and v["noise"] is not None and abs(v["median_difference"]) > v["noise"])
+            record["confirmation"]["by_cell"][c] = v
+        record["confirmation"]["figures_engine_confirm_seconds"] = ledger.total()
+    else:
+        record["figures_engine_seconds"] = ledger.total()
+    record["separating_cells"] = [c for c, v in record["cells"].items() if v["separates"]]
+    provenance = ("command", "seconds", "measured_at_commit", "dirty", "dirty_paths", "versions", "threads", "host")
+    write_json(EM_JSON, {k: v for k, v in record.items() if k not in provenance},
+               "python studies/engine.py figures" + (" --confirm" if confirm else ""), record["figures_engine_seconds"])
+    plot_engine_map(record)
+    for cell, v in record["cells"].items():
+        diffs = ", ".join(f"{x:+.3f}" for x in v["differences_by_seed"].values())
+        print(f"{cell:24s} {v['decided_by']:48s} {diffs:24s} noise {v['noise'] if v['noise'] is None else round(v['noise'], 3)}"
+              f"  {'separates' if v['separates'] else '-'}")
+    return record
+
+
+def plot_engine_map(record: dict, path: str = "figures/engine_map.png") -> None:
+    """The cells down one axis: test accuracy after RL, GSPO and GRPO, each seed a dot (x: collapsed);
+    each cell's deciding differences with its noise."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    cells = list(record["design"]["cells"])
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(13, 0.55 * len(cells) + 1.8), sharey=True)
+    for y, cell in enumerate(cells):
+        for loss, dy, colour in (("gspo", -0.15, "#0072B2"), ("grpo", 0.15, "#D55E00")):
+            rs = [r for r in record["runs"] if r["cell"] == cell and r["loss"] == loss and r["rl_seed"] == r["seed"]]
+            for r in rs:
+                a1.scatter(r["accuracy_after_rl"], y + dy, color=colour, marker="x" if r["collapsed"] else "o", s=30,
+                           label=loss.upper() if y == 0 and r is rs[0] else None)
+        v = record["cells"].get(cell, {})
+        diffs = list(v.get("differences_by_seed", {}).values())
+        a2.scatter(diffs, [y] * len(diffs), color="#000000", s=24)
+        if v.get("noise") is not None:
+            a2.plot([-v["noise"], v["noise"]], [y, y], color="#999999", lw=6, alpha=0.4)
+    a1.set_yticks(range(len(cells)), [f"{c}\n({record['design']['cells'][c]['decided_by']})" for c in cells], fontsize=7)
+    a1.invert_yaxis()
+    a1.set_xlabel("test accuracy after RL (each seed a dot, x: collapsed)")
+    a1.legend(fontsize=8)
+    a2.axvline(0, color="k", lw=0.8)
+    a2.set_xlabel("the cell's deciding difference by seed (grey: its noise, +-)")
+    fig.suptitle("What stops GSPO with the sampler's pi_old, and what restores it (seeds 0-2; rule fixed before the runs)",
+                 fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -419,17 +787,33 @@ def plot(result: dict, path: str = "figures/engine.png") -> None:
 
 @cli
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "_run":                     # make figures-engine's child: a run with a drop
+        if len(argv) < 3 or argv[1] not in ("random", "gap"):
+            fail("usage: python studies/engine.py _run {random,gap} RATE [gspo_minimal.py flags]")
+        return drop_run(argv[1], float(argv[2]), argv[3:])
     parser = Parser(description=__doc__.splitlines()[0])
-    parser.add_argument("what", nargs="?", choices=["prototype", "measure", "redraw"], default=None,
+    parser.add_argument("what", nargs="?", default=None,
+                        choices=["prototype", "measure", "redraw", "figures", "figures-design"],
                         help="prototype: figures/engine_prototype.json; measure: only the parts of --models, "
-                             "in this interpreter; redraw: engine.png from engine.json; none: make engine")
+                             "in this interpreter; redraw: engine.png from engine.json; none: make engine; "
+                             "figures: make figures-engine; figures-design: its design into engine_map.json")
+    parser.add_argument("--confirm", action="store_true", help="figures: the confirmation (CONFIRM=1)")
     parser.add_argument("--models", default="add2,addwork,smollm2", help="comma-separated: add2, addwork, smollm2")
+    parser.add_argument("--part", default=None, help="measure: only this SAMPLER:VIEW (make engine's SmolLM2 children)")
     parser.add_argument("--pretrained-python", default=".venv-pretrained/bin/python",
                         help="an interpreter with gguf, for SmolLM2's parts (make engine passes .venv-pretrained's)")
     args = parser.parse_args(argv)
     models = args.models.split(",")
     if any(m not in PROTOTYPE for m in models):
         fail(f"--models takes add2, addwork and smollm2, got {args.models}")
+    if args.what == "figures-design":
+        em_write_design()
+        print(f"wrote the design into {EM_JSON}")
+        return 0
+    if args.what == "figures":
+        figures_engine(args.confirm)
+        return 0
     t0 = time.perf_counter()
     if args.what == "prototype":
         result = prototype(models)
@@ -439,7 +823,10 @@ def main(argv=None) -> int:
         print(f"wrote {PROTOTYPE_JSON}")
         return 0
     if args.what == "measure":
-        measure(models)
+        only = tuple(args.part.split(":")) if args.part else None
+        if only is not None and (len(only) != 2 or only[0] not in SAMPLERS or only[1] not in VIEWS):
+            fail(f"--part takes SAMPLER:VIEW ({', '.join(SAMPLERS)}; {', '.join(VIEWS)}), got {args.part}")
+        measure(models, only)
         return 0
     if args.what == "redraw":
         plot(read_json("figures/engine.json"))
@@ -450,9 +837,13 @@ def main(argv=None) -> int:
     if "smollm2" in models:
         if not os.path.exists(args.pretrained_python):
             fail(f"SmolLM2's parts run in {args.pretrained_python}, which does not exist (make engine builds it)")
-        code, _ = in_own_process("studies/engine.py", ["measure", "--models", "smollm2"], python=args.pretrained_python)
-        if code:
-            fail(f"make engine: SmolLM2's parts exited with {code}; their log is above", 1)
+        for sampler in SAMPLERS:
+            for view in VIEWS:
+                code, _ = in_own_process("studies/engine.py", ["measure", "--models", "smollm2", "--part",
+                                                               f"{sampler}:{view}"],
+                                         python=args.pretrained_python, env=SMOLLM_ENV)
+                if code:
+                    fail(f"make engine: SmolLM2's part {sampler}:{view} exited with {code}; its log is above", 1)
     if models != list(SIZES):
         return 0
     result = assemble()
