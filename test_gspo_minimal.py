@@ -1277,12 +1277,12 @@ def test_clip_shares_split_by_the_sign_of_the_advantage():
 
 def test_a_run_with_a_float16_sampler_and_a_correction_logs_the_engine(tmp_path):
     out = tmp_path / "f16"
-    assert g.main(["--sampler-dtype", "float16", "--is-correction", "sequence_geometric_mask", "--steps", "3",
+    assert g.main(["--sampler-dtype", "float16", "--is-correction", "sequence_geometric_mask", "--steps", "2",
                    "--warmup-max-steps", "0", "--prompts-per-step", "4", "--group-size", "4", "--minibatches",
                    "2", "--val-size", "8", "--test-size", "8", "--eval-at", "1", "--out", str(out)]) == 0
     with open(out / "metrics.jsonl") as f:
         rl = [json.loads(line) for line in f if '"rl"' in line]
-    assert len(rl) == 3 and ["val_acc" in r for r in rl] == [True, False, True]     # --eval-at 1, and the last
+    assert len(rl) == 2 and all("val_acc" in r for r in rl)     # step 1 by --eval-at (--eval-every is 10)
     for r in rl:
         first, second = r["update_size_by_minibatch"]        # minibatch 1 is pi_old itself (trainer's pass)
         assert first == 0 and math.isfinite(second)

@@ -2053,14 +2053,21 @@ def test_a_drop_run_zeroes_minibatch_ones_chosen_advantages_and_otherwise_is_the
     assert engine.main(["_run", "random", "1", *flags, "--out", str(tmp_path / "all")]) == 0
     assert [r["dropped_first_minibatch"] for r in rl(tmp_path / "all")] == [1.0, 1.0]
     assert all((a == 0).sum() >= 8 for a in seen)          # minibatch 1's 8 rows at least
-    assert engine.main(["_run", "gap", "0", *flags, "--out", str(tmp_path / "gap")]) == 0
-    assert all(0 <= r["dropped_first_minibatch"] <= 1 for r in rl(tmp_path / "gap"))
     assert engine.main(["_run", "random", "0", *flags, "--out", str(tmp_path / "none")]) == 0
     assert g.main([*flags, "--out", str(tmp_path / "plain")]) == 0
     clock = {"step_seconds", "elapsed", "cpu_seconds", "tokens_per_second", "dropped_first_minibatch"}
     assert ([{k: v for k, v in r.items() if k not in clock} for r in rl(tmp_path / "none")]
             == [{k: v for k, v in r.items() if k not in clock} for r in rl(tmp_path / "plain")])   # still paired
     assert g.rl_update is spy                              # the child's patch is undone
+
+
+@pytest.mark.thorough          # a second CLI run; make test keeps the random drop's
+def test_a_gap_drop_run_drops_what_the_samplers_record_would_have_clipped(tmp_path):
+    flags = ["--sampler-dtype", "bfloat16", "--steps", "2", "--warmup-max-steps", "0", "--prompts-per-step", "4",
+             "--group-size", "4", "--minibatches", "2", "--val-size", "8", "--test-size", "8"]
+    assert engine.main(["_run", "gap", "0", *flags, "--out", str(tmp_path / "gap")]) == 0
+    rl = [json.loads(line) for line in open(tmp_path / "gap" / "metrics.jsonl") if '"rl"' in line]
+    assert len(rl) == 2 and all(0 <= r["dropped_first_minibatch"] <= 1 for r in rl)
 
 
 def test_figures_engine_waits_for_make_engines_json(tmp_path, capsys):
