@@ -83,7 +83,7 @@ figures-map: $(STAMP)  ## do GSPO and GRPO part ways? nine regimes under a rule 
 figures-frontier: $(STAMP)  ## where does each objective break? GSPO and GRPO paired on a learning-rate ladder (add2 at 4 and 8 minibatches, the tiny MoE), a one-sided test fixed before the runs: figures/frontier.json and frontier.png (first phase at most 75 min, resumable; the design waits for its prototype: python studies/frontier.py prototype)
 	$(PY) studies/frontier.py
 
-engine: $(STAMP) $(STAMP_PRE)  ## the sampler-trainer gap against length, no training: bf16, fp16 and float32 top-p 0.9 samplers against the float32 trainer on add2, addwork and SmolLM2 (its parts in .venv-pretrained): figures/engine.json and engine.png (about 35 min on 2 cores, resumable)
+engine: $(STAMP) $(STAMP_PRE)  ## the sampler-trainer gap against length, no training: bf16, fp16 and float32 top-p 0.9 samplers against the float32 trainer on add2, addwork and SmolLM2 (its parts in .venv-pretrained): figures/engine.json and engine.png (40 min on 2 cores, resumable)
 	$(PY) studies/engine.py --pretrained-python $(PY_PRE)
 
 figures-engine: $(STAMP)  ## what stops GSPO with a bf16 sampler's pi_old, and what restores it: ten cells on add2 and addwork under the map's rule, fixed before the runs (the widened band read from make engine's engine.json): figures/engine_map.json and engine_map.png (first phase at most 60 min, resumable; CONFIRM=1: the confirmation, at most 20 min)

@@ -1356,14 +1356,16 @@ NUMBER = re.compile(r"(?<![\w.])[-+\u2212]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(
 
 
 def json_value(data, path: str):
-    """A value of `data` by a path: keys joined by dots, [3] for an index, [k=v,k2=v2] for the one
-    list element whose fields equal those values."""
+    """A value of `data` by a path: keys joined by dots, [3] for an index, ['k.1'] for a key with a
+    dot in it, [k=v,k2=v2] for the one list element whose fields equal those values."""
     value = data
     for key, selector in re.findall(r"([^.\[\]]+)|\[([^\]]+)\]", path.strip()):
         if key:
             value = value[key]
         elif re.fullmatch(r"-?\d+", selector):
             value = value[int(selector)]
+        elif selector[0] == selector[-1] == "'":         # ['a.key'] for a key holding a dot
+            value = value[selector[1:-1]]
         else:
             want = dict(part.split("=", 1) for part in selector.split(","))
             hits = [e for e in value if all(str(e.get(k)) == v for k, v in want.items())]
@@ -1429,6 +1431,7 @@ def test_every_tagged_number_in_the_docs_equals_the_committed_json(doc):
 def test_the_tag_checker_catches_a_wrong_number():
     data = {"runs": [{"name": "a", "x": 0.8461}, {"name": "b", "x": 0.5}], "r": [0.1, 0.25]}
     assert shown_equals("0.846", json_value(data, "runs[name=a].x"))
+    assert json_value({"m": {"top_p_0.9": [1, 2]}}, "m['top_p_0.9'][1]") == 2
     assert not shown_equals("0.847", json_value(data, "runs[name=a].x"))
     assert shown_equals("84.6%", 0.8461) and shown_equals("1.69x".rstrip("x"), tag_value("runs[0].x / runs[1].x", data))
     assert shown_equals("3,751", 3751.2) and shown_equals("4.0e-05", 4.04e-5) and not shown_equals("4e-5", 6e-5)
@@ -1484,6 +1487,26 @@ def test_the_tutorial_stays_a_lesson_and_the_readme_a_page():
         assert len(f.read().split()) <= 9000
     with open(os.path.join(HERE, "README.md")) as f:
         assert len(f.read().splitlines()) <= 100
+
+
+def test_the_facts_that_drift_are_stated_one_way_in_every_doc():
+    """add2's answer lengths, GSPO's band and the 4 GiB goal, where README, tutorial and results.md
+    all state them: against the task itself, gspo_minimal's constants and what was measured."""
+    tok = g.build_char_tokenizer()
+    lengths = [len(tok(g.solution_text("add2", a, b), add_special_tokens=False).input_ids) + 1
+               for a, b in g.make_splits("add2", 500, 300)["test"]]
+    assert sum(n in (3, 4) for n in lengths) / len(lengths) >= 0.99 and min(lengths) == 2    # "3-4" (2: a sum below 10)
+    assert g.DEFAULT_EPS["gspo"] == (3e-4, 4e-4) and g.DEFAULT_EPS["grpo"] == (0.2, 0.27)
+    for doc in DOCS:
+        with open(os.path.join(HERE, doc)) as f:
+            text = f.read()
+        for line in text.splitlines():
+            if "add2" in line:
+                for lo, hi in re.findall(r"(\d)(?:-| to )(\d)(?:-token| tokens)", line):
+                    assert (lo, hi) == ("3", "4"), f"{doc}: add2's answers stated as {lo}-{hi} tokens: {line[:80]}"
+        assert not re.search(r"band, 0\.2 wide|under 4 GiB", text), doc     # GRPO's band; the goal as measured
+        for lo, hi in re.findall(r"GSPO's band[^.]*?(-?\d\.?\d*e-4)[^.]*?(\+?\d\.?\d*e-4)", text):
+            assert abs(float(lo)) == 3e-4 and float(hi) == 4e-4, f"{doc}: GSPO's band as {lo}, {hi}"
 
 
 def test_github_anchor_rules():
@@ -1989,9 +2012,10 @@ def test_make_engine_draws_its_png(tmp_path, monkeypatch):
 
 
 def test_make_engines_sizes_fit_its_40_minutes_at_the_committed_prototypes_rates():
-    proto = common.read_json(engine.PROTOTYPE_JSON)
+    proto = common.read_json(os.path.join(HERE, engine.PROTOTYPE_JSON))
     assert not proto["missing"] and "smollm2_bfloat16_rows32" in proto["parts"]
     assert engine.projected_seconds(proto) < 0.85 * 40 * 60            # room for attention over 512 tokens
+    assert common.read_json(os.path.join(HERE, "figures", "engine.json"))["engine_seconds"] <= 40 * 60   # and kept to it
 
 
 # --- make figures-engine: what stops GSPO, what restores it (studies/engine.py) -----------------------
@@ -2192,6 +2216,11 @@ def test_the_frontiers_prototype_rules_shift_the_ladder_and_fix_the_warm_ups_fro
                                              "grpo": 1.0 if c["setting"] == "moe_mb4" else 0.5 * (c["multiplier"] > 1)}}
                    for name, c in frontier.cells({}).items()}
     assert frontier.shift_of(proto_cells) == {"moe_mb4": 0.5}     # every MoE run collapsed; the dense ladders bracket
+    assert frontier.rung_shift_of(proto_cells) == {"moe_mb4": 0.5}    # the MoE's 1x collapsed all: it becomes the top
+    proto_cells["dense_mb4_x2"]["collapse_share"] = {"gspo": 1.0, "grpo": 1.0}
+    assert frontier.rung_shift_of(proto_cells) == {"moe_mb4": 0.5, "dense_mb4": 2 / 3}   # 2x becomes the top rung
+    assert list(frontier.cells({"dense_mb4": 2 / 3}))[:4] == ["dense_mb4_x0.667", "dense_mb4_x1", "dense_mb4_x1.333",
+                                                              "dense_mb4_x2"]
     proto = {"cells": proto_cells, "warmup_seconds": {"dense": 60.0, "moe": 100.0}}
     n = frontier.warmups_that_fit(proto)
     assert frontier.MIN_WARMUPS <= n <= frontier.MAX_WARMUPS

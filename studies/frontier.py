@@ -3,8 +3,10 @@ updates, every comparison a pair from one warm-up, the test fixed and powered be
 
     python studies/frontier.py             # `make figures-frontier`: the first phase (resumable,
                                            # runs/frontier), figures/frontier.json and frontier.png
-    python studies/frontier.py prototype   # the ladder tried on seeds no measured run uses, then
-                                           # the warm-ups the budget allows: frontier_prototype.json
+    python studies/frontier.py prototype   # the ladder tried on seeds no measured run uses (90, 91):
+                                           # frontier_prototype.json, the shift each rule asks for
+    python studies/frontier.py prototype --check   # the shifted ladder on seeds 92, 93 and the
+                                           # warm-ups the budget allows: the same file's `check`
     python studies/frontier.py design      # the design into figures/frontier.json, no run
     python studies/frontier.py redraw      # frontier.png again from frontier.json
 
@@ -33,8 +35,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import gspo_minimal as g  # noqa: E402
 from studies.common import (FIG_DIR, Ledger, Parser, cli, cluster_bootstrap, fail,  # noqa: E402
                             firth_logistic, mcnemar_exact, paired_permutation_p, read_json, read_metrics,
-                            read_summary, run_jobs, script_job, sign_test, smallest_significant_split,
-                            write_json)
+                            read_summary, rewrite_json, run_jobs, script_job, sign_test,
+                            smallest_significant_split, write_json)
 from studies.map import COLLAPSE, is_collapsed, warm_path, warmup_job  # noqa: E402
 
 # The files this target writes into figures/ (left out of its dirty check).
@@ -48,9 +50,13 @@ LR = g.Config().lr                 # make train's learning rate, 2e-4: the ladde
 LADDER = {"dense_mb4": {"model": "dense", "minibatches": 4, "multipliers": [1, 1.5, 2, 3]},
           "dense_mb8": {"model": "dense", "minibatches": 8, "multipliers": [1, 1.5, 2]},
           "moe_mb4": {"model": "moe", "minibatches": 4, "multipliers": [1, 2]}}
-# The prototype's shift, fixed before it runs: a setting whose prototype runs all collapsed has its
-# multipliers halved; one where none collapsed has them doubled; once, for the whole ladder.
-LADDER_SHIFT = {}                  # setting -> factor, from figures/frontier_prototype.json; {}: none
+# The ladder's shift. The rule written before the first prototype looked at a setting as a whole
+# (halve it if every run collapsed, double it if none did) and asked for none; the issue's rule looks
+# at each rung: the prototype (frontier_prototype.json) collapsed every run at 2x and 3x on 4
+# minibatches and at 1.5x and 2x on 8, so each such setting is scaled until its lowest all-collapsed
+# rung is its top (`rung_shift_of`, chosen after seeing the first prototype, and checked on new
+# seeds by the second: `prototype --check`).
+LADDER_SHIFT = {"dense_mb4": 2 / 3, "dense_mb8": 0.75}
 STEPS = 40                         # RL steps, the learning rate decayed linearly to 0 over them
 EVAL_AT = [2, 4]                   # with --eval-every 5: evaluations at 2, 4, 5, 10, ..., 40
 EVAL_EVERY = 5
@@ -61,6 +67,7 @@ MAX_WARMUPS = 16
 # budget at the prototype's timings. None: the prototype has not fixed it yet.
 WARMUPS: int | None = None
 PROTOTYPE_SEEDS = (90, 91)         # two warm-ups per model that no measured run uses
+CHECK_SEEDS = (92, 93)             # the shifted ladder's check, likewise
 BUDGET_SECONDS = 75 * 60
 PROJECTION_MARGIN = 0.85
 ALPHA = 0.05
@@ -75,7 +82,7 @@ def cells(shift: dict | None = None) -> dict:
     out = {}
     for setting, rung in LADDER.items():
         for m in rung["multipliers"]:
-            mult = m * shift.get(setting, 1)
+            mult = round(m * shift.get(setting, 1), 3)
             out[f"{setting}_x{mult:g}"] = {"setting": setting, "model": rung["model"],
                                            "minibatches": rung["minibatches"], "multiplier": mult,
                                            "flags": ["--minibatches", str(rung["minibatches"]),
@@ -128,8 +135,11 @@ def expected_discordant(proto: dict, warmups: int) -> float:
 def design(warmups: int | None = WARMUPS, proto: dict | None = None) -> dict:
     """Everything the measured run is held to, written into frontier.json before it starts."""
     d = {"ladder": LADDER, "ladder_shift": LADDER_SHIFT, "base_lr": LR,
-         "ladder_shift_rule": "from the prototype, once: a setting whose prototype runs all collapsed has its "
-                              "multipliers halved; one where none collapsed, doubled",
+         "ladder_shift_rule": "after the first prototype (chosen after seeing it): in each setting where some "
+                              "rung collapsed every prototype run, the multipliers scaled so that the lowest such "
+                              "rung is the top one; the rule written before it (halve a setting whose runs all "
+                              "collapsed, double one where none did) asked for no shift; the shifted ladder "
+                              "checked on seeds 92 and 93 (frontier_prototype.json's `check`)",
          "cells": cells(), "losses": list(LOSSES), "warmups_per_model": warmups,
          "warmup_seeds": None if warmups is None else list(range(warmups)),
          "rl_seed": "the warm-up's seed: GSPO and GRPO of a pair share the warm-up and the RL seed",
@@ -349,42 +359,74 @@ def shift_of(proto_cells: dict) -> dict:
     return out
 
 
-def prototype() -> dict:
-    """The unshifted ladder on PROTOTYPE_SEEDS (their own warm-ups, in runs/frontier/prototype):
-    each cell's collapse shares and seconds per run, each model's warm-up seconds; the shift the
-    rule asks for and the warm-ups the budget allows, to be fixed in this file before the run."""
-    folder = os.path.join(FRONTIER_RUNS, "prototype")
+def rung_shift_of(proto_cells: dict) -> dict:
+    """The per-rung rule: where some rung of a setting collapsed every prototype run, the factor that
+    makes the lowest such rung the setting's top rung (none where that is the top already)."""
+    out = {}
+    for setting, rung in LADDER.items():
+        full = sorted(c["multiplier"] for c in proto_cells.values()
+                      if c["setting"] == setting and all(c["collapse_share"][loss] == 1 for loss in LOSSES))
+        if full and full[0] != max(rung["multipliers"]):
+            out[setting] = full[0] / max(rung["multipliers"])
+    return out
 
+
+def ladder_trial(cell_map: dict, seeds, folder: str) -> dict:
+    """GSPO and GRPO of every cell on `seeds`, each from a warm-up of its own in `folder` (never
+    the measured run's), 2 at a time as the measured run goes: per cell the collapse shares, dates,
+    accuracies and seconds per run; each model's warm-up seconds."""
     def own_warmup(model, seed):
         job = warmup_job(model, seed)
         out = os.path.join(folder, f"warmup_{model}_s{seed}")
         return {**job, "cmd": job["cmd"][:-1] + [out], "done": os.path.join(out, "summary.json"),
                 "argv": job["argv"][:-1] + [out]}
-    cell_map = cells({})
-    t0 = time.perf_counter()
-    run_jobs(jobs_of(cell_map, PROTOTYPE_SEEDS, folder, own_warmup), folder)
+    run_jobs(jobs_of(cell_map, seeds, folder, own_warmup), folder)
     runs = [run_record(run_name(name, loss, seed), name, c, seed, folder,
                        os.path.join(folder, f"warmup_{c['model']}_s{seed}"))
-            for name, c in cell_map.items() for seed in PROTOTYPE_SEEDS for loss in LOSSES]
-    proto_cells = {}
+            for name, c in cell_map.items() for seed in seeds for loss in LOSSES]
+    trial_cells = {}
     for name, c in cell_map.items():
         mine = [r for r in runs if r["cell"] == name]
-        proto_cells[name] = {"setting": c["setting"], "multiplier": c["multiplier"],
+        trial_cells[name] = {"setting": c["setting"], "multiplier": c["multiplier"],
                              "collapse_share": {loss: statistics.fmean(r["collapsed"] for r in mine if r["loss"] == loss)
                                                 for loss in LOSSES},
                              "collapsed_at_step": {r["name"]: r["collapsed_at_step"] for r in mine},
                              "accuracy_after_rl": {r["name"]: r["accuracy_after_rl"] for r in mine},
                              "run_seconds": statistics.fmean(r["wall_seconds"] for r in mine)}
-    warm = {m: statistics.fmean(read_summary(f"warmup_{m}_s{s}", folder)["wall_seconds"] for s in PROTOTYPE_SEEDS)
+    warm = {m: statistics.fmean(read_summary(f"warmup_{m}_s{s}", folder)["wall_seconds"] for s in seeds)
             for m in ("dense", "moe")}
-    proto = {"seeds": list(PROTOTYPE_SEEDS), "steps": STEPS, "cells": proto_cells, "warmup_seconds": warm,
+    trial = {"seeds": list(seeds), "steps": STEPS, "cells": trial_cells, "warmup_seconds": warm,
              "runs": runs, "workers": 2, "threads_per_run": 1}
-    proto["ladder_shift"] = shift_of(proto_cells)
-    proto["warmups_per_model"] = warmups_that_fit(proto)
-    proto["projection"] = projection(proto, proto["warmups_per_model"])
-    proto["design_at_these_warmups"] = design(proto["warmups_per_model"], proto)
+    trial["warmups_per_model"] = warmups_that_fit(trial)
+    trial["projection"] = projection(trial, trial["warmups_per_model"])
+    return trial
+
+
+def prototype() -> dict:
+    """The unshifted ladder on PROTOTYPE_SEEDS (runs/frontier/prototype): what each rule of shifting
+    asks for, and the warm-ups the budget allows; frontier_prototype.json."""
+    t0 = time.perf_counter()
+    proto = ladder_trial(cells({}), PROTOTYPE_SEEDS, os.path.join(FRONTIER_RUNS, "prototype"))
+    proto["ladder_shift"] = shift_of(proto["cells"])
+    proto["ladder_shift_per_rung"] = rung_shift_of(proto["cells"])
     write_json(PROTOTYPE_JSON, proto, "python studies/frontier.py prototype", time.perf_counter() - t0)
     return proto
+
+
+def prototype_check() -> dict:
+    """The shifted ladder (LADDER_SHIFT) on CHECK_SEEDS (runs/frontier/prototype_check): does it
+    bracket the frontier, and how many warm-ups fit at its timings? Added to frontier_prototype.json
+    as `check`, with its own provenance, the first prototype's kept as it is."""
+    from studies import common
+    proto = read_json(PROTOTYPE_JSON)
+    t0 = time.perf_counter()
+    check = ladder_trial(cells(), CHECK_SEEDS, os.path.join(FRONTIER_RUNS, "prototype_check"))
+    check["ladder_shift"] = LADDER_SHIFT
+    check["design_at_these_warmups"] = design(check["warmups_per_model"], check)
+    proto["check"] = {**g.provenance("python studies/frontier.py prototype --check", time.perf_counter() - t0,
+                                     common.target_tree), **check}
+    rewrite_json(PROTOTYPE_JSON, proto)
+    return check
 
 
 # ---------------------------------------------------------------------------------------------
@@ -394,7 +436,8 @@ def fixed_design() -> dict:
     if WARMUPS is None:
         fail("the warm-ups per model are not fixed yet: run `python studies/frontier.py prototype` and set "
              "WARMUPS (and LADDER_SHIFT, if it asks for one) in studies/frontier.py before the measured run")
-    return design(WARMUPS, read_json(PROTOTYPE_JSON) if os.path.exists(PROTOTYPE_JSON) else None)
+    proto = read_json(PROTOTYPE_JSON) if os.path.exists(PROTOTYPE_JSON) else {}
+    return design(WARMUPS, proto.get("check"))
 
 
 def write_design() -> dict:
@@ -501,10 +544,12 @@ def plot(record: dict, path: str = os.path.join(FIG_DIR, "frontier.png")) -> Non
 def main(argv=None) -> int:
     parser = Parser(description=__doc__.splitlines()[0])
     parser.add_argument("what", nargs="?", choices=["prototype", "design", "redraw"], default=None)
+    parser.add_argument("--check", action="store_true", help="prototype: the shifted ladder on seeds 92 and 93")
     args = parser.parse_args(argv)
     if args.what == "prototype":
-        proto = prototype()
-        print(f"ladder shift: {proto['ladder_shift'] or 'none'}; warm-ups per model: {proto['warmups_per_model']} "
+        proto = prototype_check() if args.check else prototype()
+        print(f"ladder shift: {proto.get('ladder_shift') or 'none'}; per rung: {proto.get('ladder_shift_per_rung')}; "
+              f"warm-ups per model: {proto['warmups_per_model']} "
               f"(projected {proto['projection']['seconds'] / 60:.0f} min); wrote {PROTOTYPE_JSON}")
         return 0
     if args.what == "design":
