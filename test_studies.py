@@ -2228,7 +2228,7 @@ def test_the_frontiers_prototype_rules_shift_the_ladder_and_fix_the_warm_ups_fro
     assert n == frontier.MAX_WARMUPS or (frontier.projection(proto, n + 1)["seconds"]
                                          > frontier.PROJECTION_MARGIN * frontier.BUDGET_SECONDS)
     d = frontier.design(n, proto)
-    assert d["power"]["expected_discordant_pairs"] == pytest.approx(n * (5 * 0.5 + 0))   # the five 0/0.5 cells
+    assert d["power"]["expected_discordant_pairs"] == pytest.approx(n * (4 * 0.5 + 0))   # the four 0/0.5 cells left
 
 
 def test_a_frontier_run_record_reads_its_curve_its_collapse_and_its_update_sizes(tmp_path):
