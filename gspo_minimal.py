@@ -1291,10 +1291,11 @@ def summarise_minibatches(logs: list[dict]) -> dict:
     (before clipping); `clip_seqs_by_minibatch` holds, per minibatch in order, its share of clipped
     sequences, and `abs_log_s_q` and `abs_token_log_ratio_q` the `quantiles` of |log s| and of the
     token log-ratios |delta_t|, and `update_size_by_minibatch` the mean of log(pi_old / pi_theta)
-    over its tokens just before its update (0 for minibatch 1 with the trainer's pi_old: how far the
-    earlier updates of this rollout had moved the policy); the engine gap is minibatch 1's. Where the sampler differs from the
-    trainer (`engine_differs`: minibatch 1 then carries `engine_log_s_mean`), also the clip shares
-    among responses and tokens with A > 0 and with A < 0 (`clip_seqs_pos_adv`, ...), and
+    over its tokens just before its update (how far the rollout's earlier updates had moved the
+    policy: 0 for minibatch 1 with the trainer's pi_old); the engine gap is minibatch 1's. Where the
+    sampler differs from the trainer (`engine_differs`: minibatch 1 then carries
+    `engine_log_s_mean`), also the clip shares among responses and tokens with A > 0 and with A < 0
+    (`clip_seqs_pos_adv`, ...), and
     --is-correction's mean weight and share of tokens weighted 0 where it is on.
     """
     s = torch.cat([m["s"] for m in logs])                                  # (B,)
