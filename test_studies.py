@@ -2099,6 +2099,19 @@ def test_figures_engine_waits_for_make_engines_json(tmp_path, capsys):
 
 
 # --- the statistics the comparisons share (studies/common.py) ----------------------------------------
+def test_a_design_first_result_is_kept_only_under_its_own_design(tmp_path):
+    """map.py, frontier.py and engine.py's figures-engine write their design before any run and
+    never overwrite runs made under another one (common.kept_design)."""
+    path = str(tmp_path / "result.json")
+    assert common.kept_design(path, {"cells": 1}) is None                          # nothing yet
+    common.rewrite_json(path, {"design": {"cells": 1}, "runs": []})
+    assert common.kept_design(path, {"cells": 2}) is None                          # a design alone: rewritten
+    common.rewrite_json(path, {"design": {"cells": 1}, "runs": [{"name": "a"}]})
+    assert common.kept_design(path, {"cells": 1})["runs"] == [{"name": "a"}]
+    with pytest.raises(common.StudyFailed, match="another design"):
+        common.kept_design(path, {"cells": 2})
+
+
 def test_exact_sign_tests_match_the_binomial_table():
     assert common.binomial_tail(9, 10) == 11 / 1024 and common.binomial_tail(0, 7) == 1.0
     assert common.sign_test(6, 0) == 1 / 64 and common.sign_test(5, 0) == 1 / 32

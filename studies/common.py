@@ -158,6 +158,20 @@ def write_json(path: str, data: dict, command: str, seconds: float) -> None:
     rewrite_json(path, {**g.provenance(command, seconds, tree), **data})
 
 
+def kept_design(path: str, design: dict) -> dict | None:
+    """A design-first target's result file (`path`) as it stands, when it already holds runs made
+    under `design`; None when there is none or it holds no runs (the caller writes the design); a
+    failure in one line when its runs were made under another design."""
+    if not os.path.exists(path):
+        return None
+    old = read_json(path)
+    if not old.get("runs"):
+        return None
+    if old.get("design") != json.loads(json.dumps(design, allow_nan=False)):
+        fail(f"{path} holds runs made under another design; move it away to start over")
+    return old
+
+
 def rewrite_json(path: str, record: dict) -> None:
     """A result file written as it is, its provenance kept (a later step that adds keys to it)."""
     with open(path, "w") as f:

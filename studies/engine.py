@@ -48,9 +48,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 import gspo_minimal as g  # noqa: E402
-from studies.common import (Ledger, Parser, bootstrap_slopes, cli, common_sign, fail, in_own_process,  # noqa: E402
-                            kept_part, load_checkpoint, paired_differences, read_json, reuse_problem, run_jobs,
-                            script_job, second_stream_noise, smollm_gguf, write_json)
+from studies.common import (Ledger, Parser, bootstrap_slopes, cli, fail, in_own_process,  # noqa: E402
+                            kept_design, kept_part, load_checkpoint, paired_differences, read_json, reuse_problem, run_jobs,
+                            script_job, smollm_gguf, write_json)
 
 # The files this target writes into figures/ (left out of its dirty check).
 OUTPUTS = ("figures/engine.json", "figures/engine.png", "figures/engine_prototype.json",
@@ -652,28 +652,18 @@ def em_collect(design: dict, seeds) -> tuple[list[dict], dict]:
 
 
 def em_verdicts(design: dict, acc: dict, seeds) -> dict:
-    """The rule per cell: its named comparison's paired differences, their median and common sign,
-    the noise and where it came from, and `separates`."""
-    task = {c: v["task"] for c, v in design["cells"].items()}
-    own = {c: second_stream_noise(a["gspo"], a["noise"]) for c, a in acc.items()}
-    by_task: dict[str, float] = {}
-    for c, n in own.items():
-        if n is not None:
-            by_task[task[c]] = max(n, by_task.get(task[c], 0.0))
-    out = {}
-    for cell, a in acc.items():
-        against = EM_CELLS[cell][3]
-        other = a["grpo"] if against == "gspo - grpo" else acc[against]["gspo"]
-        diffs = paired_differences(a["gspo"], other, seeds)
-        median = statistics.median(diffs) if diffs else None
-        sign = common_sign(diffs) if len(diffs) == len(seeds) else 0
-        noise = own[cell] if own[cell] is not None else by_task.get(task[cell])
-        out[cell] = {"decided_by": design["cells"][cell]["decided_by"],
-                     "differences_by_seed": dict(zip(seeds, diffs)), "median_difference": median,
-                     "common_sign": sign, "noise": noise,
-                     "noise_from": ("its own second RL streams" if own[cell] is not None else
-                                    f"the largest measured for {task[cell]}" if noise is not None else None),
-                     "separates": bool(sign and noise is not None and abs(median) > noise),
+    """The map's rule (studies/map.py's `verdicts`) per cell on its named comparison: the cell's GSPO
+    runs against its GRPO runs, or against its reference cell's GSPO runs, seed by seed; each with
+    the comparison it was decided by and, where the cell ran GRPO, GSPO - GRPO by seed."""
+    from studies import map as regimes
+    compared = {cell: {"gspo": a["gspo"], "noise": a["noise"],
+                       "grpo": a["grpo"] if EM_CELLS[cell][3] == "gspo - grpo" else acc[EM_CELLS[cell][3]]["gspo"]}
+                for cell, a in acc.items()}
+    out = regimes.verdicts(compared, {c: v["task"] for c, v in design["cells"].items()}, seeds)
+    for cell, v in out.items():
+        del v["ahead"]                        # "gspo" or "grpo": the wrong words for a reference comparison
+        a = acc[cell]
+        out[cell] = {"decided_by": design["cells"][cell]["decided_by"], **v,
                      "gspo_minus_grpo_by_seed": (dict(zip(seeds, paired_differences(a["gspo"], a["grpo"], seeds)))
                                                  if a["grpo"] else None)}
     return out
@@ -683,12 +673,9 @@ def em_write_design() -> dict:
     """engine_map.json before any run: the design and its projected time, no runs; one holding runs
     made under another design is never overwritten."""
     d = em_design()
-    if os.path.exists(EM_JSON):
-        old = read_json(EM_JSON)
-        if old.get("runs") and old.get("design") != json.loads(json.dumps(d, allow_nan=False)):
-            fail(f"{EM_JSON} holds runs made under another design; move it away to start over")
-        if old.get("runs"):
-            return old
+    kept = kept_design(EM_JSON, d)
+    if kept is not None:
+        return kept
     record = {"figures_engine_seconds": 0.0, "design": d, "projection": em_projection(d), "runs": [], "cells": {}}
     write_json(EM_JSON, record, "python studies/engine.py figures-design", 0.0)
     return record

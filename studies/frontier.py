@@ -23,7 +23,6 @@ runs are held to is in `design()` and goes into frontier.json before the first r
 """
 from __future__ import annotations
 
-import json
 import math
 import os
 import statistics
@@ -34,7 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 import gspo_minimal as g  # noqa: E402
 from studies.common import (FIG_DIR, Ledger, Parser, cli, cluster_bootstrap, fail,  # noqa: E402
-                            firth_logistic, mcnemar_exact, paired_permutation_p, read_json, read_metrics,
+                            firth_logistic, kept_design, mcnemar_exact, paired_permutation_p, read_json, read_metrics,
                             read_summary, rewrite_json, run_jobs, script_job, sign_test,
                             smallest_significant_split, write_json)
 from studies.map import COLLAPSE, is_collapsed, warm_path, warmup_job  # noqa: E402
@@ -445,12 +444,9 @@ def write_design() -> dict:
     """figures/frontier.json before any run: the design, no runs; one holding runs made under another
     design is never overwritten."""
     d = fixed_design()
-    if os.path.exists(FRONTIER_JSON):
-        old = read_json(FRONTIER_JSON)
-        if old.get("runs") and old.get("design") != json.loads(json.dumps(d, allow_nan=False)):
-            fail(f"{FRONTIER_JSON} holds runs made under another design; move it away to start over")
-        if old.get("runs"):
-            return old
+    kept = kept_design(FRONTIER_JSON, d)
+    if kept is not None:
+        return kept
     record = {"figures_frontier_seconds": 0.0, "design": d, "runs": []}
     write_json(FRONTIER_JSON, record, "python studies/frontier.py design", 0.0)
     return record

@@ -36,6 +36,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 from studies import common  # noqa: E402
 from studies.common import (FIG_DIR, FIG_STEPS, SEEDS, Ledger, Parser, cli, common_sign, fail,  # noqa: E402
+                            kept_design,
                             paired_differences, read_json, read_metrics, read_summary, rewrite_json, run_jobs,
                             script_job, second_stream_noise, warm_start, warm_start_argv, write_json)
 from studies.long import LONG_STEPS, warm_dir as long_warm_dir  # noqa: E402
@@ -357,12 +358,9 @@ def write_design() -> dict:
     """figures/map.json before any measured run: the design and the pilot, no runs. A map.json
     holding runs is never overwritten by another design."""
     d = fixed_design()
-    if os.path.exists(MAP_JSON):
-        old = read_json(MAP_JSON)
-        if old.get("runs") and old.get("design") != json.loads(json.dumps(d, allow_nan=False)):
-            fail(f"{MAP_JSON} holds runs made under another design; move it away to start over")
-        if old.get("runs"):
-            return old
+    kept = kept_design(MAP_JSON, d)
+    if kept is not None:
+        return kept
     record = {"figures_map_seconds": 0.0, "design": d, "pilot": pilot(), "runs": [], "cells": {}}
     write_json(MAP_JSON, record, "python studies/map.py design", 0.0)
     return record
