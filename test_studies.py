@@ -2093,6 +2093,16 @@ def test_a_gap_drop_run_drops_what_the_samplers_record_would_have_clipped(tmp_pa
     assert len(rl) == 2 and all(0 <= r["dropped_first_minibatch"] <= 1 for r in rl)
 
 
+@pytest.mark.thorough          # matplotlib
+def test_figures_engine_draws_its_cells_with_the_maps_plot(tmp_path):
+    d = engine.em_design(BAND, RATE)
+    runs = [{"cell": c, "loss": loss, "seed": s, "rl_seed": s, "accuracy_after_rl": 0.5, "collapsed": False}
+            for c, v in d["cells"].items() for loss in v["losses"] for s in (0, 1, 2)]
+    cells = {c: {"differences_by_seed": {0: 0.1, 1: 0.2, 2: 0.3}, "noise": 0.05, "separates": True} for c in d["cells"]}
+    engine.plot_engine_map({"design": d, "runs": runs, "cells": cells}, str(tmp_path / "engine_map.png"))
+    assert os.path.getsize(tmp_path / "engine_map.png") > 0
+
+
 def test_figures_engine_waits_for_make_engines_json(tmp_path, capsys):
     with pytest.raises(common.StudyFailed, match="run `make engine` first"):
         engine.widened_band(str(tmp_path / "none.json"))

@@ -742,35 +742,18 @@ def figures_engine(confirm: bool = False) -> dict:
 
 
 def plot_engine_map(record: dict, path: str = "figures/engine_map.png") -> None:
-    """The cells down one axis: test accuracy after RL, GSPO and GRPO, each seed a dot (x: collapsed);
-    each cell's deciding differences with its noise."""
+    """The cells down one axis, each labelled with its deciding comparison: test accuracy after RL,
+    GSPO and GRPO, each seed a dot (x: collapsed); each cell's deciding differences with its noise
+    (studies/map.py's plot_map)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    cells = list(record["design"]["cells"])
-    fig, (a1, a2) = plt.subplots(1, 2, figsize=(13, 0.55 * len(cells) + 1.8), sharey=True)
-    for y, cell in enumerate(cells):
-        for loss, dy, colour in (("gspo", -0.15, "#0072B2"), ("grpo", 0.15, "#D55E00")):
-            rs = [r for r in record["runs"] if r["cell"] == cell and r["loss"] == loss and r["rl_seed"] == r["seed"]]
-            for r in rs:
-                a1.scatter(r["accuracy_after_rl"], y + dy, color=colour, marker="x" if r["collapsed"] else "o", s=30,
-                           label=loss.upper() if y == 0 and r is rs[0] else None)
-        v = record["cells"].get(cell, {})
-        diffs = list(v.get("differences_by_seed", {}).values())
-        a2.scatter(diffs, [y] * len(diffs), color="#000000", s=24)
-        if v.get("noise") is not None:
-            a2.plot([-v["noise"], v["noise"]], [y, y], color="#999999", lw=6, alpha=0.4)
-    a1.set_yticks(range(len(cells)), [f"{c}\n({record['design']['cells'][c]['decided_by']})" for c in cells], fontsize=7)
-    a1.invert_yaxis()
-    a1.set_xlabel("test accuracy after RL (each seed a dot, x: collapsed)")
-    a1.legend(fontsize=8)
-    a2.axvline(0, color="k", lw=0.8)
-    a2.set_xlabel("the cell's deciding difference by seed (grey: its noise, +-)")
-    fig.suptitle("What stops GSPO with the sampler's pi_old, and what restores it (seeds 0-2; rule fixed before the runs)",
-                 fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    from studies import map as regimes
+    regimes.plot_map(plt, record, {c: f"{c}\n({v['decided_by']})" for c, v in record["design"]["cells"].items()},
+                     differences="the cell's deciding difference by seed (grey: its noise, +-)",
+                     title="What stops GSPO with the sampler's pi_old, and what restores it (seeds 0-2; rule fixed "
+                           "before the runs)", path=path)
+    plt.close("all")
 
 
 @cli

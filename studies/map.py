@@ -505,10 +505,16 @@ def first_minibatch_clip() -> dict:
     return record
 
 
-def plot_map(plt, record: dict) -> None:
-    """The cells down one axis; test accuracy after RL, GSPO and GRPO side by side, each seed a dot
-    (x: collapsed); the paired differences with each cell's noise beside them."""
-    cells = list(CELLS)
+def plot_map(plt, record: dict, labels: dict | None = None,
+             differences: str = "GSPO - GRPO by seed (grey: the cell's noise, +-)",
+             title: str = "Do GSPO and GRPO part ways? Seeds 0-2, one warm-up per seed; rule fixed before the runs",
+             path: str = os.path.join(FIG_DIR, "map.png")) -> None:
+    """The cells down one axis (`labels`: cell -> its tick label; the map's own cells by default);
+    test accuracy after RL, GSPO and GRPO side by side, each seed a dot (x: collapsed); the paired
+    differences (`differences` names them) with each cell's noise beside them. make figures-engine
+    draws its cells with it too."""
+    labels = labels or {cell: cell for cell in CELLS}
+    cells = list(labels)
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(13, 0.55 * len(cells) + 1.8), sharey=True)
     for y, cell in enumerate(cells):
         for loss, dy, colour in (("gspo", -0.15, "#0072B2"), ("grpo", 0.15, "#D55E00")):
@@ -523,18 +529,17 @@ def plot_map(plt, record: dict) -> None:
             a2.plot([-v["noise"], v["noise"]], [y, y], color="#999999", lw=6, alpha=0.4)
         if v.get("separates"):
             a2.annotate("separates", (max(diffs), y), xytext=(6, 0), textcoords="offset points", fontsize=8)
-    a1.set_yticks(range(len(cells)), cells, fontsize=8)
+    a1.set_yticks(range(len(cells)), list(labels.values()), fontsize=8)
     a1.invert_yaxis()
     a1.set_xlabel("test accuracy after RL (each seed a dot, x: collapsed)")
     a1.legend(fontsize=8)
     a1.grid(alpha=0.3)
     a2.axvline(0, color="k", lw=0.8)
-    a2.set_xlabel("GSPO - GRPO by seed (grey: the cell's noise, +-)")
+    a2.set_xlabel(differences)
     a2.grid(alpha=0.3)
-    fig.suptitle("Do GSPO and GRPO part ways? Seeds 0-2, one warm-up per seed; rule fixed before the runs",
-                 fontsize=10)
+    fig.suptitle(title, fontsize=10)
     fig.tight_layout()
-    fig.savefig(os.path.join(FIG_DIR, "map.png"), dpi=120)
+    fig.savefig(path, dpi=120)
 
 
 def print_map(record: dict) -> None:
