@@ -641,10 +641,9 @@ def em_collect(design: dict, seeds) -> tuple[list[dict], dict]:
                                                                            "is_masked_tokens",
                                                                            "dropped_first_minibatch") if k in rl[0]},
                        "wall_seconds": s["wall_seconds"]}
-                warm = regimes.warm_path(c["model"], seed)
-                w = [r for r in regimes.read_metrics(os.path.basename(warm), os.path.dirname(warm)) if "val_acc" in r]
+                start = regimes.warmup_end(regimes.warm_path(c["model"], seed))
                 curve = [r["val_acc"] for r in rl if "val_acc" in r]
-                rec["collapsed"] = bool(w) and regimes.is_collapsed(w[-1]["val_acc"], curve)
+                rec["collapsed"] = start is not None and regimes.is_collapsed(start, curve)
                 records.append(rec)
                 a[slot][seed] = s["accuracy_after_rl"]
         acc[cell] = a

@@ -36,7 +36,7 @@ from studies.common import (FIG_DIR, Ledger, Parser, cli, cluster_bootstrap, fai
                             firth_logistic, kept_design, mcnemar_exact, paired_permutation_p, read_json, read_metrics,
                             read_summary, rewrite_json, run_jobs, script_job, sign_test,
                             smallest_significant_split, write_json)
-from studies.map import COLLAPSE, is_collapsed, warm_path, warmup_job  # noqa: E402
+from studies.map import COLLAPSE, is_collapsed, warm_path, warmup_end, warmup_job  # noqa: E402
 
 # The files this target writes into figures/ (left out of its dirty check).
 OUTPUTS = ("figures/frontier.json", "figures/frontier.png", "figures/frontier_prototype.json")
@@ -212,8 +212,7 @@ def collapsed_at_step(start: float, curve: dict[int, float]) -> int | None:
 def run_record(name: str, cell: str, c: dict, seed: int, folder: str, warm_dir: str) -> dict:
     s = read_summary(name, folder)
     rl = [r for r in read_metrics(name, folder) if r["stage"] == "rl"]
-    warm = [r for r in read_metrics(os.path.basename(warm_dir), os.path.dirname(warm_dir)) if "val_acc" in r]
-    start = warm[-1]["val_acc"] if warm else None
+    start = warmup_end(warm_dir)
     curve = {r["step"]: r["val_acc"] for r in rl if "val_acc" in r}
     collapsed = start is not None and is_collapsed(start, list(curve.values()))
     sizes = [r["update_size_by_minibatch"] for r in rl]

@@ -209,13 +209,18 @@ def pooled_quantiles(rl: list[dict], key: str) -> list[list[float]]:
     return out
 
 
+def warmup_end(warm_dir: str) -> float | None:
+    """The validation accuracy a warm-up ended at (its last evaluation): every run from it starts
+    there, the collapse definition's `start`. None when it logged none."""
+    warm = [r for r in read_metrics(os.path.basename(warm_dir), os.path.dirname(warm_dir)) if "val_acc" in r]
+    return warm[-1]["val_acc"] if warm else None
+
+
 def run_record(name: str, cell: str, seed: int, rl_seed: int, folder: str = MAP_RUNS) -> dict:
     s = read_summary(name, folder)
     rl = [r for r in read_metrics(name, folder) if r["stage"] == "rl"]
     model = CELLS[cell][0]
-    warm = [r for r in read_metrics(os.path.basename(warm_path(model, seed)), os.path.dirname(warm_path(model, seed)))
-            if "val_acc" in r]
-    start = warm[-1]["val_acc"] if warm else None
+    start = warmup_end(warm_path(model, seed))
     curve = {r["step"]: r["val_acc"] for r in rl if "val_acc" in r}
     record = {"name": name, "cell": cell, "model": model, "loss": s["loss"], "seed": seed, "rl_seed": rl_seed,
               "command": s.get("command"), "steps": len(rl),
