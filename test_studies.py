@@ -2060,6 +2060,27 @@ def test_figures_engines_rule_decides_each_cell_by_its_named_comparison():
     assert v["addwork_bf16_sampler"]["median_difference"] is None and not v["addwork_bf16_sampler"]["separates"]
 
 
+def test_figures_engine_collects_each_run_with_its_collapse_and_engine_metrics(tmp_path, monkeypatch):
+    warm = tmp_path / "warm"
+    warm.mkdir()
+    (warm / "metrics.jsonl").write_text(json.dumps({"stage": "warmup", "step": 20, "val_acc": 0.4}) + "\n")
+    monkeypatch.setattr(regimes, "warm_path", lambda model, seed: str(warm))
+    monkeypatch.setattr(engine, "EM_RUNS", str(tmp_path / "runs"))
+    run = tmp_path / "runs" / "gap_drop_gspo_s0"
+    run.mkdir(parents=True)
+    rows = [{"stage": "warmup", "step": 1}] + [
+        {"stage": "rl", "step": t, "clip_seqs": 0.5, "clip_seqs_by_minibatch": [0.25, 0.75], "engine_kl_tokens": 1e-3,
+         "dropped_first_minibatch": 0.5, "val_acc": acc} for t, acc in ((1, 0.1), (2, 0.1))]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (run / "summary.json").write_text(json.dumps({"accuracy_before_rl": 0.4, "accuracy_after_rl": 0.1,
+                                                 "wall_seconds": 3.0}))
+    records, acc = engine.em_collect(engine.em_design(BAND, RATE), (0,))
+    assert [r["name"] for r in records] == ["gap_drop_gspo_s0"] and acc["gap_drop"]["gspo"] == {0: 0.1}
+    r = records[0]
+    assert r["steps"] == 2 and r["collapsed"] and r["clip_seqs_minibatch_1"] == 0.25
+    assert r["engine_kl_tokens"] == 1e-3 and r["dropped_first_minibatch"] == 0.5 and "is_masked_tokens" not in r
+
+
 def test_a_drop_run_zeroes_minibatch_ones_chosen_advantages_and_otherwise_is_the_plain_run(tmp_path, monkeypatch):
     seen = []
     original = g.rl_update

@@ -35,7 +35,6 @@ per-length means are not -K (test_identities.py's counterexample).
 """
 from __future__ import annotations
 
-import json
 import math
 import os
 import random
@@ -49,8 +48,8 @@ import torch  # noqa: E402
 
 import gspo_minimal as g  # noqa: E402
 from studies.common import (Ledger, Parser, bootstrap_slopes, cli, fail, in_own_process,  # noqa: E402
-                            kept_design, kept_part, load_checkpoint, paired_differences, read_json, reuse_problem, run_jobs,
-                            script_job, smollm_gguf, write_json)
+                            kept_design, kept_part, load_checkpoint, paired_differences, read_json, read_metrics,
+                            read_summary, reuse_problem, run_jobs, script_job, smollm_gguf, write_json)
 
 # The files this target writes into figures/ (left out of its dirty check).
 OUTPUTS = ("figures/engine.json", "figures/engine.png", "figures/engine_prototype.json",
@@ -628,9 +627,8 @@ def em_collect(design: dict, seeds) -> tuple[list[dict], dict]:
                 name = em_run_name(cell, loss, seed, rl_seed)
                 if not os.path.exists(os.path.join(EM_RUNS, name, "summary.json")):
                     continue
-                s = read_json(os.path.join(EM_RUNS, name, "summary.json"))
-                rl = [json.loads(line) for line in open(os.path.join(EM_RUNS, name, "metrics.jsonl"))
-                      if '"rl"' in line]
+                s = read_summary(name, EM_RUNS)
+                rl = [r for r in read_metrics(name, EM_RUNS) if r["stage"] == "rl"]
                 rec = {"name": name, "cell": cell, "loss": loss, "seed": seed, "rl_seed": rl_seed,
                        "command": s.get("command"), "steps": len(rl),
                        "accuracy_before_rl": s["accuracy_before_rl"], "accuracy_after_rl": s["accuracy_after_rl"],
