@@ -2069,11 +2069,12 @@ def test_figures_engine_collects_each_run_with_its_collapse_and_engine_metrics(t
     run = tmp_path / "runs" / "gap_drop_gspo_s0"
     run.mkdir(parents=True)
     rows = [{"stage": "warmup", "step": 1}] + [
-        {"stage": "rl", "step": t, "clip_seqs": 0.5, "clip_seqs_by_minibatch": [0.25, 0.75], "engine_kl_tokens": 1e-3,
-         "dropped_first_minibatch": 0.5, "val_acc": acc} for t, acc in ((1, 0.1), (2, 0.1))]
+        {"stage": "rl", "step": t, "clip_tokens": 0.4, "clip_seqs": 0.5, "clip_seqs_by_minibatch": [0.25, 0.75],
+         "grad_norm": 1.0, "engine_kl_tokens": 1e-3, "dropped_first_minibatch": 0.5, "val_acc": acc}
+        for t, acc in ((1, 0.1), (2, 0.1))]
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    (run / "summary.json").write_text(json.dumps({"accuracy_before_rl": 0.4, "accuracy_after_rl": 0.1,
-                                                 "wall_seconds": 3.0}))
+    (run / "summary.json").write_text(json.dumps({"loss": "gspo", "accuracy_before_rl": 0.4, "accuracy_after_rl": 0.1,
+                                                 "wall_seconds": 3.0, "rl_seconds": 2.5}))
     records, acc = engine.em_collect(engine.em_design(BAND, RATE), (0,))
     assert [r["name"] for r in records] == ["gap_drop_gspo_s0"] and acc["gap_drop"]["gspo"] == {0: 0.1}
     r = records[0]

@@ -48,8 +48,8 @@ import torch  # noqa: E402
 
 import gspo_minimal as g  # noqa: E402
 from studies.common import (Ledger, Parser, bootstrap_slopes, cli, fail, in_own_process,  # noqa: E402
-                            kept_design, kept_part, load_checkpoint, paired_differences, read_json, read_metrics,
-                            read_summary, reuse_problem, run_jobs, script_job, smollm_gguf, write_json)
+                            kept_design, kept_part, load_checkpoint, paired_differences, read_json,
+                            reuse_problem, run_jobs, script_job, smollm_gguf, write_json)
 
 # The files this target writes into figures/ (left out of its dirty check).
 OUTPUTS = ("figures/engine.json", "figures/engine.png", "figures/engine_prototype.json",
@@ -627,23 +627,15 @@ def em_collect(design: dict, seeds) -> tuple[list[dict], dict]:
                 name = em_run_name(cell, loss, seed, rl_seed)
                 if not os.path.exists(os.path.join(EM_RUNS, name, "summary.json")):
                     continue
-                s = read_summary(name, EM_RUNS)
-                rl = [r for r in read_metrics(name, EM_RUNS) if r["stage"] == "rl"]
-                rec = {"name": name, "cell": cell, "loss": loss, "seed": seed, "rl_seed": rl_seed,
-                       "command": s.get("command"), "steps": len(rl),
-                       "accuracy_before_rl": s["accuracy_before_rl"], "accuracy_after_rl": s["accuracy_after_rl"],
-                       "clip_seqs": statistics.fmean(r["clip_seqs"] for r in rl),
-                       "clip_seqs_minibatch_1": statistics.fmean(r["clip_seqs_by_minibatch"][0] for r in rl),
-                       **{k: statistics.fmean(r[k] for r in rl) for k in ("engine_log_s_mean", "engine_kl_tokens",
-                                                                           "clip_seqs_pos_adv", "clip_seqs_neg_adv",
-                                                                           "is_masked_tokens",
-                                                                           "dropped_first_minibatch") if k in rl[0]},
-                       "wall_seconds": s["wall_seconds"]}
-                start = regimes.warmup_end(regimes.warm_path(c["model"], seed))
-                curve = [r["val_acc"] for r in rl if "val_acc" in r]
-                rec["collapsed"] = start is not None and regimes.is_collapsed(start, curve)
+                rec, rl = regimes.run_basics(name, EM_RUNS, regimes.warm_path(c["model"], seed))
+                rec.update({"cell": cell, "seed": seed, "rl_seed": rl_seed,
+                            "clip_seqs_minibatch_1": statistics.fmean(r["clip_seqs_by_minibatch"][0] for r in rl),
+                            **{k: statistics.fmean(r[k] for r in rl) for k in ("engine_log_s_mean", "engine_kl_tokens",
+                                                                                "clip_seqs_pos_adv", "clip_seqs_neg_adv",
+                                                                                "is_masked_tokens",
+                                                                                "dropped_first_minibatch") if k in rl[0]}})
                 records.append(rec)
-                a[slot][seed] = s["accuracy_after_rl"]
+                a[slot][seed] = rec["accuracy_after_rl"]
         acc[cell] = a
     return records, acc
 

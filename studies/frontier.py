@@ -33,10 +33,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 import gspo_minimal as g  # noqa: E402
 from studies.common import (FIG_DIR, Ledger, Parser, cli, cluster_bootstrap, fail,  # noqa: E402
-                            firth_logistic, kept_design, mcnemar_exact, paired_permutation_p, read_json, read_metrics,
+                            firth_logistic, kept_design, mcnemar_exact, paired_permutation_p, read_json,
                             read_summary, rewrite_json, run_jobs, script_job, sign_test,
                             smallest_significant_split, write_json)
-from studies.map import COLLAPSE, is_collapsed, warm_path, warmup_end, warmup_job  # noqa: E402
+from studies.map import COLLAPSE, is_collapsed, run_basics, warm_path, warmup_job  # noqa: E402
 
 # The files this target writes into figures/ (left out of its dirty check).
 OUTPUTS = ("figures/frontier.json", "figures/frontier.png", "figures/frontier_prototype.json")
@@ -210,25 +210,16 @@ def collapsed_at_step(start: float, curve: dict[int, float]) -> int | None:
 
 
 def run_record(name: str, cell: str, c: dict, seed: int, folder: str, warm_dir: str) -> dict:
-    s = read_summary(name, folder)
-    rl = [r for r in read_metrics(name, folder) if r["stage"] == "rl"]
-    start = warmup_end(warm_dir)
-    curve = {r["step"]: r["val_acc"] for r in rl if "val_acc" in r}
-    collapsed = start is not None and is_collapsed(start, list(curve.values()))
+    record, rl = run_basics(name, folder, warm_dir)
     sizes = [r["update_size_by_minibatch"] for r in rl]
-    return {"name": name, "cell": cell, "setting": c["setting"], "model": c["model"], "multiplier": c["multiplier"],
-            "minibatches": c["minibatches"], "loss": s["loss"], "seed": seed, "warmup": warm_dir,
-            "command": s.get("command"), "steps": len(rl), "stop_reason": s.get("stop_reason"),
-            "accuracy_before_rl": s["accuracy_before_rl"], "accuracy_after_rl": s["accuracy_after_rl"],
-            "val_acc_at_rl_start": start, "val_acc_at_step": curve, "collapsed": collapsed,
-            "collapsed_at_step": collapsed_at_step(start, curve) if collapsed else None,
-            "clip_tokens": statistics.fmean(r["clip_tokens"] for r in rl),
-            "clip_seqs": statistics.fmean(r["clip_seqs"] for r in rl),
-            "grad_norm_max": max(r["grad_norm"] for r in rl),
-            "grad_norm_median": statistics.median(r["grad_norm"] for r in rl),
-            "update_size_by_step": sizes,
-            "update_size_last_minibatch_median": statistics.median(x[-1] for x in sizes),
-            "wall_seconds": s["wall_seconds"], "rl_seconds": s["rl_seconds"]}
+    record.update({"cell": cell, "setting": c["setting"], "model": c["model"], "multiplier": c["multiplier"],
+                   "minibatches": c["minibatches"], "seed": seed, "warmup": warm_dir,
+                   "collapsed_at_step": (collapsed_at_step(record["val_acc_at_rl_start"], record["val_acc_at_step"])
+                                         if record["collapsed"] else None),
+                   "grad_norm_median": statistics.median(r["grad_norm"] for r in rl),
+                   "update_size_by_step": sizes,
+                   "update_size_last_minibatch_median": statistics.median(x[-1] for x in sizes)})
+    return record
 
 
 # ---------------------------------------------------------------------------------------------

@@ -216,25 +216,33 @@ def warmup_end(warm_dir: str) -> float | None:
     return warm[-1]["val_acc"] if warm else None
 
 
-def run_record(name: str, cell: str, seed: int, rl_seed: int, folder: str = MAP_RUNS) -> dict:
+def run_basics(name: str, folder: str, warm_dir: str) -> tuple[dict, list[dict]]:
+    """What every study's run record starts from (the map's, the frontier's, figures-engine's): the
+    run's identity, accuracies, validation curve from its warm-up's end, `collapsed`, mean clip
+    shares, largest gradient norm and times; with its RL lines, for the fields a study adds."""
     s = read_summary(name, folder)
     rl = [r for r in read_metrics(name, folder) if r["stage"] == "rl"]
-    model = CELLS[cell][0]
-    start = warmup_end(warm_path(model, seed))
+    start = warmup_end(warm_dir)
     curve = {r["step"]: r["val_acc"] for r in rl if "val_acc" in r}
-    record = {"name": name, "cell": cell, "model": model, "loss": s["loss"], "seed": seed, "rl_seed": rl_seed,
-              "command": s.get("command"), "steps": len(rl),
-              "accuracy_before_rl": s["accuracy_before_rl"], "accuracy_after_rl": s["accuracy_after_rl"],
-              "val_acc_at_rl_start": start, "val_acc_at_step": curve,
-              "collapsed": start is not None and is_collapsed(start, list(curve.values())),
-              "clip_tokens": statistics.fmean(r["clip_tokens"] for r in rl),
-              "clip_seqs": statistics.fmean(r["clip_seqs"] for r in rl),
-              "grad_norm_max": max(r["grad_norm"] for r in rl),
-              "abs_log_s_by_minibatch": pooled_quantiles(rl, "abs_log_s_q"),
-              "abs_token_log_ratio_by_minibatch": pooled_quantiles(rl, "abs_token_log_ratio_q"),
-              "quantiles": "per minibatch index: the medians over steps of p50, p90, p99, then the largest max",
-              "tokens_per_second_median": statistics.median(r["tokens_per_second"] for r in rl),
-              "wall_seconds": s["wall_seconds"], "rl_seconds": s["rl_seconds"]}
+    return {"name": name, "loss": s["loss"], "command": s.get("command"), "steps": len(rl),
+            "stop_reason": s.get("stop_reason"),
+            "accuracy_before_rl": s["accuracy_before_rl"], "accuracy_after_rl": s["accuracy_after_rl"],
+            "val_acc_at_rl_start": start, "val_acc_at_step": curve,
+            "collapsed": start is not None and is_collapsed(start, list(curve.values())),
+            "clip_tokens": statistics.fmean(r["clip_tokens"] for r in rl),
+            "clip_seqs": statistics.fmean(r["clip_seqs"] for r in rl),
+            "grad_norm_max": max(r["grad_norm"] for r in rl),
+            "wall_seconds": s["wall_seconds"], "rl_seconds": s["rl_seconds"]}, rl
+
+
+def run_record(name: str, cell: str, seed: int, rl_seed: int, folder: str = MAP_RUNS) -> dict:
+    model = CELLS[cell][0]
+    record, rl = run_basics(name, folder, warm_path(model, seed))
+    record.update({"cell": cell, "model": model, "seed": seed, "rl_seed": rl_seed,
+                   "abs_log_s_by_minibatch": pooled_quantiles(rl, "abs_log_s_q"),
+                   "abs_token_log_ratio_by_minibatch": pooled_quantiles(rl, "abs_token_log_ratio_q"),
+                   "quantiles": "per minibatch index: the medians over steps of p50, p90, p99, then the largest max",
+                   "tokens_per_second_median": statistics.median(r["tokens_per_second"] for r in rl)})
     if "--sampler-dtype" in CELLS[cell][1]:                       # where the engines differ
         first_step = [r for r in rl if r["step"] == 1]
         record.update(engine_gap_tokens=statistics.fmean(r["engine_gap_tokens"] for r in rl),
