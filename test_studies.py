@@ -10,6 +10,7 @@ import random
 import re
 import shutil
 import subprocess
+import statistics
 import sys
 from unittest import mock
 
@@ -2293,6 +2294,21 @@ def test_a_frontier_run_record_reads_its_curve_its_collapse_and_its_update_sizes
     assert r["collapsed"] and r["collapsed_at_step"] == 5 and r["val_acc_at_rl_start"] == 0.4
     assert r["update_size_by_step"][4] == [0.0, 5e-3] and r["update_size_last_minibatch_median"] == pytest.approx(3e-3)
     assert r["grad_norm_max"] == 6.0 and r["multiplier"] == 3
+
+
+def test_the_frontier_update_size_reading_pairs_the_early_steps_of_each_seed():
+    """Each run's early size is the median of its last minibatch's size over steps 1-4; per cell, the
+    median over runs per objective and the paired GSPO - GRPO difference by seed."""
+    def run(loss, seed, sizes):
+        return {"cell": "c", "loss": loss, "seed": seed, "update_size_by_step": [[0.0, x] for x in sizes],
+                "update_size_last_minibatch_median": statistics.median(sizes)}
+    runs = [run("gspo", 0, [1, 2, 3, 4, 100]), run("grpo", 0, [2, 2, 2, 2, 2]),
+            run("gspo", 1, [5, 5, 5, 5, 5]), run("grpo", 1, [1, 9, 9, 9, 0])]
+    u = frontier.update_size_summary(runs)
+    assert frontier.early_update_size(runs[0]) == 2.5                 # steps 1-4 only: step 5's 100 left out
+    assert u["gspo"] == {"early_median": 3.75, "all_steps_median": 4.0}
+    assert u["grpo"] == {"early_median": 5.5, "all_steps_median": 5.5}
+    assert u["gspo_minus_grpo_early_by_seed"] == {0: 0.5, 1: -4.0} and u["gspo_minus_grpo_early_median"] == -1.75
 
 
 def test_the_frontier_refuses_to_run_before_the_prototype_fixes_its_warm_ups(monkeypatch, capsys):

@@ -283,6 +283,34 @@ def cell_summary(runs: list[dict], cell: str) -> dict:
     out["sign_test_p_two_sided"] = sign_test(pos, neg, "two-sided") if pos + neg else None
     out["median_difference_ci95"] = (cluster_bootstrap([[d] for d in diffs.values()], statistics.median)
                                      if len(diffs) > 1 else None)
+    out["update_size"] = update_size_summary(mine)
+    return out
+
+
+EARLY_STEPS = 4                    # the update-size reading's early window: RL steps 1-4, through the step-4 evaluation
+UPDATE_SIZE = (f"per run, the last minibatch's realised update size (mean log(pi_old / pi_theta) over its tokens, "
+               f"just before its update): its median over RL steps 1-{EARLY_STEPS} (`early`, before most collapses "
+               f"are dated) and over every step (`all_steps`); per cell and objective the median over runs; "
+               f"`gspo_minus_grpo_early_by_seed`, the paired difference of `early`, and its median")
+
+
+def early_update_size(run: dict) -> float:
+    return statistics.median(x[-1] for x in run["update_size_by_step"][:EARLY_STEPS])
+
+
+def update_size_summary(runs: list[dict]) -> dict:
+    """UPDATE_SIZE for one cell's runs: does one objective collapse less only because it moves less?"""
+    out = {}
+    for loss in LOSSES:
+        rs = [r for r in runs if r["loss"] == loss and r["update_size_by_step"]]
+        out[loss] = {"early_median": statistics.median(map(early_update_size, rs)) if rs else None,
+                     "all_steps_median": statistics.median(r["update_size_last_minibatch_median"] for r in rs)
+                     if rs else None}
+    pairs = {seed: p for (_, seed), p in pairs_of(runs).items()
+             if all(p[loss]["update_size_by_step"] for loss in LOSSES)}
+    diffs = {seed: early_update_size(p["gspo"]) - early_update_size(p["grpo"]) for seed, p in sorted(pairs.items())}
+    out["gspo_minus_grpo_early_by_seed"] = diffs
+    out["gspo_minus_grpo_early_median"] = statistics.median(diffs.values()) if diffs else None
     return out
 
 
@@ -316,6 +344,10 @@ def analyse(record: dict) -> dict:
     record["cells"] = {cell: cell_summary(runs, cell) for cell in cell_map}
     record["test"] = the_test(runs)
     record["frontier"] = frontier_of(runs, cell_map)
+    record["update_size_reading"] = {
+        "definition": UPDATE_SIZE,
+        "when": "written while the measured runs ran and before any of their results was read; the design "
+                "committed before the runs named the per-run update sizes, not this summary of them"}
     return record
 
 
