@@ -9,8 +9,8 @@ import os
 import random
 import re
 import shutil
-import subprocess
 import statistics
+import subprocess
 import sys
 from unittest import mock
 
