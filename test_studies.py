@@ -2311,6 +2311,17 @@ def test_the_frontier_update_size_reading_pairs_the_early_steps_of_each_seed():
     assert u["gspo_minus_grpo_early_by_seed"] == {0: 0.5, 1: -4.0} and u["gspo_minus_grpo_early_median"] == -1.75
 
 
+@pytest.mark.thorough          # matplotlib
+def test_the_frontier_draws_its_committed_runs_where_every_share_is_0_or_1(tmp_path):
+    """Wilson's bounds at a share of 0 or 1 equal the share up to rounding of either sign: the error
+    bars must not come out negative (the committed run has such rungs on every setting)."""
+    with open(os.path.join(HERE, "figures", "frontier.json")) as f:
+        record = json.load(f)
+    assert record["runs"], "frontier.json holds no runs yet"
+    frontier.plot(record, str(tmp_path / "frontier.png"))
+    assert os.path.getsize(tmp_path / "frontier.png") > 0
+
+
 def test_the_frontier_refuses_to_run_before_the_prototype_fixes_its_warm_ups(monkeypatch, capsys):
     monkeypatch.setattr(frontier, "WARMUPS", None)
     assert frontier.main([]) == 2

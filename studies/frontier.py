@@ -520,8 +520,8 @@ def plot(record: dict, path: str = os.path.join(FIG_DIR, "frontier.png")) -> Non
                 ci = wilson(k, len(rs))
                 xs.append(c["multiplier"] * (1 + 0.02 * (i - 0.5)))
                 ys.append(k / len(rs))
-                lo.append(k / len(rs) - ci[0])
-                hi.append(ci[1] - k / len(rs))
+                lo.append(max(0.0, k / len(rs) - ci[0]))     # Wilson's bound at k = 0 or n is the share
+                hi.append(max(0.0, ci[1] - k / len(rs)))     # itself, up to a rounding of either sign
             ax.errorbar(xs, ys, yerr=[lo, hi], color=colour[loss], marker="o", capsize=3, label=loss.upper())
         ax.axhline(0.5, color="grey", lw=0.8, ls=":")
         ax.set(xscale="log", ylim=(-0.05, 1.05), xlabel="learning rate / make train's",
