@@ -302,12 +302,12 @@ def update_size_summary(runs: list[dict]) -> dict:
     """UPDATE_SIZE for one cell's runs: does one objective collapse less only because it moves less?"""
     out = {}
     for loss in LOSSES:
-        rs = [r for r in runs if r["loss"] == loss and r["update_size_by_step"]]
+        rs = [r for r in runs if r["loss"] == loss and r.get("update_size_by_step")]
         out[loss] = {"early_median": statistics.median(map(early_update_size, rs)) if rs else None,
                      "all_steps_median": statistics.median(r["update_size_last_minibatch_median"] for r in rs)
                      if rs else None}
     pairs = {seed: p for (_, seed), p in pairs_of(runs).items()
-             if all(p[loss]["update_size_by_step"] for loss in LOSSES)}
+             if all(p[loss].get("update_size_by_step") for loss in LOSSES)}
     diffs = {seed: early_update_size(p["gspo"]) - early_update_size(p["grpo"]) for seed, p in sorted(pairs.items())}
     out["gspo_minus_grpo_early_by_seed"] = diffs
     out["gspo_minus_grpo_early_median"] = statistics.median(diffs.values()) if diffs else None
