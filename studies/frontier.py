@@ -528,6 +528,7 @@ def plot(record: dict, path: str = os.path.join(FIG_DIR, "frontier.png")) -> Non
                ylabel="collapse share (95% Wilson)", title=setting)
         ax.set_xticks(sorted({c["multiplier"] for c in cell_map.values() if c["setting"] == setting}))
         ax.get_xaxis().set_major_formatter(matplotlib.ticker.FormatStrFormatter("%gx"))
+        ax.get_xaxis().set_minor_formatter(matplotlib.ticker.NullFormatter())
         ax.legend(fontsize=8)
     acc = fig.add_subplot(2, 3, (4, 5))
     names = list(cell_map)
@@ -547,7 +548,7 @@ def plot(record: dict, path: str = os.path.join(FIG_DIR, "frontier.png")) -> Non
                      [r["collapsed"] + 0.06 * (i - 0.5) for r in rs], color=colour[loss], s=12, alpha=0.6,
                      label=loss.upper())
     size.set(xscale="log", yticks=[0, 1], yticklabels=["stable", "collapsed"],
-             xlabel="|update size|: last minibatch's mean log(pi_old/pi_theta), median over steps")
+             xlabel="|update size| (last minibatch's mean log(pi_old/pi_theta),\nmedian over a run's steps)")
     size.legend(fontsize=8)
     t = record.get("test", {})
     fig.suptitle(f"Where does each objective break? {record['design']['warmups_per_model']} warm-ups per model, "
