@@ -72,6 +72,11 @@ BUDGET_SECONDS = 75 * 60
 PROJECTION_MARGIN = 0.85
 ALPHA = 0.05
 LOSSES = ("gspo", "grpo")
+# The commit at which the design below and the analysis code (the_test, cell_summary, frontier_of)
+# were written and committed, before any measured run (figures/frontier.json's design was written
+# there, clean). Later commits refactored the code without changing what it computes, fixed the
+# plot, and added the update-size summary (`update_size_reading` says when).
+DESIGN_COMMIT = "254a1156e3d1d149d1efb8eebf5c613ca5a4ddf2"
 PROVENANCE = ("command", "seconds", "measured_at_commit", "dirty", "dirty_paths", "versions", "threads", "host",
               "provenance_note")
 
@@ -155,7 +160,7 @@ def design(warmups: int | None = WARMUPS, proto: dict | None = None) -> dict:
          "budget_seconds": BUDGET_SECONDS, "projection_margin": PROJECTION_MARGIN,
          "warmups_rule": f"the most warm-ups per model, {MIN_WARMUPS} to {MAX_WARMUPS}, whose projected first "
                          f"phase (prototype timings, 2 runs at a time) fits {PROJECTION_MARGIN:.0%} of the budget",
-         "workers": 2, "threads_per_run": 1}
+         "workers": 2, "threads_per_run": 1, "analysis_code_commit": DESIGN_COMMIT}
     if warmups is not None:
         pairs = warmups * len(d["cells"])
         d["pairs"] = pairs
