@@ -36,8 +36,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 from studies import common  # noqa: E402
 from studies.common import (FIG_DIR, FIG_STEPS, SEEDS, Ledger, Parser, cli, common_sign, fail,  # noqa: E402
-                            kept_design,
-                            paired_differences, read_json, read_metrics, read_summary, rewrite_json, run_jobs,
+                            kept_design, paired_differences, read_json, read_metrics, read_summary, rewrite_json, run_jobs,
                             script_job, second_stream_noise, warm_start, warm_start_argv, write_json)
 from studies.long import LONG_STEPS, warm_dir as long_warm_dir  # noqa: E402
 
