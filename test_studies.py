@@ -2106,6 +2106,56 @@ def test_a_drop_run_zeroes_minibatch_ones_chosen_advantages_and_otherwise_is_the
     assert g.rl_update is spy                              # the child's patch is undone
 
 
+def test_geo_checks_random_keep_drops_across_the_whole_rollout(tmp_path, monkeypatch):
+    seen = []
+    original = g.rl_update
+
+    def spy(model, opt, batch, cfg, eps_low, eps_high):
+        seen.append(batch["advantages"].clone())
+        return original(model, opt, batch, cfg, eps_low, eps_high)
+    monkeypatch.setattr(g, "rl_update", spy)
+    monkeypatch.setattr(g, "group_advantages", lambda r, G, **k: torch.ones_like(r))   # every row has a signal
+    flags = ["--steps", "2", "--warmup-max-steps", "0", "--prompts-per-step", "4", "--group-size", "4",
+             "--minibatches", "2", "--val-size", "8", "--test-size", "8", "--out", str(tmp_path / "all")]
+    assert engine.main(["_run", "random_all", "1", *flags]) == 0
+    rl = [json.loads(line) for line in open(tmp_path / "all" / "metrics.jsonl") if '"rl"' in line]
+    assert [r["dropped"] for r in rl] == [1.0, 1.0] and "dropped_first_minibatch" not in rl[0]
+    assert len(seen) == 2 and all((a == 0).all() for a in seen)          # both minibatches, every row
+    seen.clear()
+    assert engine.main(["_run", "random", "1", *flags[:-1], str(tmp_path / "first")]) == 0
+    assert all((a == 0).sum() == 8 for a in seen)                        # minibatch 1's rows only
+
+
+def test_geo_check_reads_its_rates_from_the_geometric_runs_and_runs_two_arms_per_seed():
+    em = {"design": engine.em_design(BAND, RATE),
+          "runs": [{"name": f"bf16_trainer_geo_mask_gspo_s{s}", "is_masked_tokens": 0.7 + s / 100} for s in (0, 1, 2)]}
+    d = engine.geo_design(em)
+    assert d["random_keep"]["drop_rate_by_seed"] == {0: 0.7, 1: 0.71, 2: 0.72} and d["post_hoc"]
+    assert d["wide_bounds"]["flags"][-4:] == ["--is-clip-min", "1e-30", "--is-clip-max", "1e30"]
+    assert "--is-correction" not in d["random_keep"]["flags"] and d["steps"] == em["design"]["cells"]["bf16_trainer"]["steps"]
+    jobs = {j["name"]: j for j in engine.geo_jobs(d)}
+    assert set(jobs) == {f"{arm}_gspo_s{s}" for arm in ("wide", "random_keep") for s in (0, 1, 2)}
+    assert jobs["random_keep_gspo_s1"]["cmd"][2:5] == ["_run", "random_all", "0.71"]
+    assert "sequence_geometric_mask" in jobs["wide_gspo_s2"]["cmd"] and all(j["needs"] for j in jobs.values())
+
+
+def test_the_committed_geo_check_is_held_to_its_design_and_to_figures_engines_runs():
+    path = os.path.join(HERE, "figures", "engine_geo_check.json")
+    if not os.path.exists(path):
+        pytest.skip("python studies/engine.py geo-check has not run")
+    geo, em = (json.load(open(os.path.join(HERE, "figures", f))) for f in ("engine_geo_check.json", "engine_map.json"))
+    design = json.loads(json.dumps(engine.geo_design(em)))             # int keys as JSON writes them
+    assert geo["design"] == design
+    runs = {r["name"]: r for r in em["runs"]}
+    for seed, v in geo["by_seed"].items():
+        assert v["plain_accuracy_after_rl"] == runs[f"bf16_trainer_gspo_s{seed}"]["accuracy_after_rl"]
+        assert v["geo_accuracy_after_rl"] == runs[f"bf16_trainer_geo_mask_gspo_s{seed}"]["accuracy_after_rl"]
+        assert v["random_keep_dropped"] == pytest.approx(design["random_keep"]["drop_rate_by_seed"][seed], abs=0.05)
+    k = geo["kept_shares"]
+    assert k["all"]["responses"] == k["positive_advantage"]["responses"] + k["negative_advantage"]["responses"] \
+        + k["zero_advantage"]["responses"]
+
+
 @pytest.mark.thorough          # a second CLI run; make test keeps the random drop's
 def test_a_gap_drop_run_drops_what_the_samplers_record_would_have_clipped(tmp_path):
     flags = ["--sampler-dtype", "bfloat16", "--steps", "2", "--warmup-max-steps", "0", "--prompts-per-step", "4",

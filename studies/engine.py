@@ -53,7 +53,7 @@ from studies.common import (Ledger, Parser, bootstrap_slopes, cli, fail, in_own_
 
 # The files this target writes into figures/ (left out of its dirty check).
 OUTPUTS = ("figures/engine.json", "figures/engine.png", "figures/engine_prototype.json",
-           "figures/engine_map.json", "figures/engine_map.png")
+           "figures/engine_map.json", "figures/engine_map.png", "figures/engine_geo_check.json")
 FOLDER = "runs/engine"
 PROTOTYPE_JSON = "figures/engine_prototype.json"
 
@@ -342,10 +342,10 @@ def part_settings(name: str) -> dict:
     return {"size": SIZES[name], "z": Z, "n_boot": N_BOOT, "seed": SEED}
 
 
-# SmolLM2's parts run one to a process, glibc told to hand back every block of 1 MiB or more when
-# freed (make pretrained's setting): in one process, a part's peak counted what earlier parts had
-# freed but the allocator kept (figures/engine.json's first run: 4,182 MiB in its fifth part).
-SMOLLM_ENV = {"MALLOC_MMAP_THRESHOLD_": str(1 << 20)}
+# SmolLM2's parts run one to a process: in one process, a part's peak counted what earlier parts
+# had freed but the allocator kept (engine.json's first run: 4,182 MiB in its fifth part). glibc's
+# allocator is left as it is: make pretrained's MALLOC_MMAP_THRESHOLD_ of 1 MiB lowered a part's
+# peak but, with a KV cache that grows by a token every step, made decoding too slow for 40 minutes.
 
 
 def measure(models: list[str], only: tuple[str, str] | None = None) -> None:
@@ -564,18 +564,22 @@ def em_jobs(design: dict, cells, seeds, noise: bool = False, losses=None) -> lis
 def drop_run(kind: str, rate: float, argv: list[str]) -> int:
     """gspo_minimal.main(argv) with minibatch 1's chosen sequences given advantage 0 at every step:
     `random`, each with probability `rate` (its own generator, seeded by the run's seed and step);
-    `gap`, those the sampler's record as pi_old would have clipped on their active side. The random
+    `gap`, those the sampler's record as pi_old would have clipped on their active side;
+    `random_all` (geo-check's), like `random` over the whole rollout, every minibatch. The random
     state is restored after drawing the chunks, so nothing else differs from the plain run. The
-    step's metrics gain `dropped_first_minibatch`, the share of minibatch 1's rows dropped."""
+    step's metrics gain `dropped_first_minibatch` (`dropped`), the share of those rows dropped."""
     original, step = g.rl_update, [0]
 
     def rl_update(model, opt, batch, cfg, eps_low, eps_high):
         step[0] += 1
-        state = torch.get_rng_state()        # rl_update draws the same chunks again: the run stays paired
-        first = g.group_chunks(len(batch["rewards"]), cfg.group_size, cfg.minibatches, batch["rewards"].device)[0]
-        torch.set_rng_state(state)
+        if kind == "random_all":             # geo-check's control: every minibatch's rows
+            first = torch.arange(len(batch["rewards"]))
+        else:
+            state = torch.get_rng_state()    # rl_update draws the same chunks again: the run stays paired
+            first = g.group_chunks(len(batch["rewards"]), cfg.group_size, cfg.minibatches, batch["rewards"].device)[0]
+            torch.set_rng_state(state)
         mask = batch["mask"][first] != 0
-        if kind == "random":
+        if kind.startswith("random"):
             gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step[0])
             drop = torch.rand(len(first), generator=gen) < rate
         else:
@@ -587,7 +591,7 @@ def drop_run(kind: str, rate: float, argv: list[str]) -> int:
         adv = batch["advantages"].clone()
         adv[first[drop]] = 0
         m = original(model, opt, {**batch, "advantages": adv}, cfg, eps_low, eps_high)
-        m["dropped_first_minibatch"] = drop.double().mean().item()
+        m["dropped" if kind == "random_all" else "dropped_first_minibatch"] = drop.double().mean().item()
         return m
     g.rl_update = rl_update
     try:
@@ -730,6 +734,125 @@ def figures_engine(confirm: bool = False) -> dict:
     return record
 
 
+# ---------------------------------------------------------------------------------------------
+# After the first phase: why verl's geometric mask collapsed every run (python studies/engine.py
+# geo-check, figures/engine_geo_check.json). Designed once those runs had been read, so outside
+# figures-engine's design and rule: a check for a bug, a control and a count, each stated alone.
+# ---------------------------------------------------------------------------------------------
+GEO_JSON = "figures/engine_geo_check.json"
+GEO_RUNS = "runs/engine_geo_check"
+GEO_CELL = "bf16_trainer_geo_mask"
+GEO_WIDE = ["--is-clip-min", "1e-30", "--is-clip-max", "1e30"]     # bounds no ratio leaves: nothing masked
+GEO_ROLLOUTS = 5                                                   # per seed's warm-up, for the kept shares
+
+
+def geo_design(em: dict) -> dict:
+    """The check's settings, from engine_map.json's design and its geo-mask GSPO runs."""
+    runs = {r["name"]: r for r in em["runs"]}
+    rates = {s: runs[em_run_name(GEO_CELL, "gspo", s)]["is_masked_tokens"] for s in EM_SEEDS}
+    return {"post_hoc": "designed after figures-engine's first phase had been read (every geometric-mask run "
+                        "collapsed); not part of engine_map.json's design or rule",
+            "seeds": list(EM_SEEDS), "loss": "gspo", "steps": em["design"]["cells"][GEO_CELL]["steps"],
+            "wide_bounds": {"flags": em["design"]["cells"][GEO_CELL]["flags"] + GEO_WIDE,
+                            "question": "does the masked run equal bf16_trainer's GSPO run when nothing is masked?"},
+            "random_keep": {"flags": em["design"]["cells"]["bf16_trainer"]["flags"], "drop_rate_by_seed": rates,
+                            "source": f"{EM_JSON}: runs[name={GEO_CELL}_gspo_s<seed>].is_masked_tokens",
+                            "how": "every step, each response of the whole rollout given advantage 0 with that "
+                                   "probability (its own generator), the trainer's pi_old, no mask",
+                            "question": "does keeping as few responses, chosen at random, collapse the run too?"},
+            "kept_shares": {"rollouts_per_seed": GEO_ROLLOUTS, "bounds": [1 / 1.001, 1.001],
+                            "question": "which responses does the preset keep, by the sign of the advantage?",
+                            "where": "the warm-up checkpoints the runs start from, the bf16 sampler, the "
+                                     "trainer's pi_old, no update"}}
+
+
+def geo_jobs(design: dict) -> list[dict]:
+    from studies import map as regimes
+    jobs = []
+    for seed in design["seeds"]:
+        warm = regimes.warmup_job("dense", seed)
+        base = ["--model", os.path.join(os.path.dirname(warm["done"]), "checkpoint"), "--warmup-max-steps", "0",
+                "--seed", str(seed), "--loss", design["loss"]]
+        jobs.append(script_job(f"wide_gspo_s{seed}", base + design["wide_bounds"]["flags"], GEO_RUNS,
+                               design["steps"], needs=warm["done"]))
+        job = script_job(f"random_keep_gspo_s{seed}", base + design["random_keep"]["flags"], GEO_RUNS,
+                         design["steps"], needs=warm["done"])
+        out = job["cmd"][2:]
+        rate = design["random_keep"]["drop_rate_by_seed"][seed]
+        jobs.append({**job, "cmd": [sys.executable, "studies/engine.py", "_run", "random_all", f"{rate:.6g}", *out],
+                     "argv": out})
+    return jobs
+
+
+@torch.no_grad()
+def geo_kept_shares(seeds, rollouts: int = GEO_ROLLOUTS) -> dict:
+    """The share of responses the preset keeps, overall and by the sign of the advantage, over
+    `rollouts` rollouts from each seed's warm-up (as the runs' first step sees them)."""
+    from studies import map as regimes
+    rows = []
+    for seed in seeds:
+        cfg = g.parse_config(regimes.MODELS["dense"]["task"] + ["--sampler-dtype", "bfloat16", "--seed", str(seed)])
+        model, tok = g.load_pretrained(os.path.join(regimes.warm_path("dense", seed), "checkpoint"))
+        torch.manual_seed(seed)
+        rng = random.Random(seed)
+        task = g.task_of(cfg)
+        splits = g.make_splits(task, cfg.test_size, cfg.val_size)
+        for _ in range(rollouts):
+            b = g.rollout(g.sampling_model(model, cfg), tok, g.sample_train_problems(splits, task, cfg.prompts_per_step, rng),
+                          cfg, "cpu")
+            old = g.policy_logprobs(model, b["prompt_ids"], b["prompt_mask"], b["completions"])
+            mask = b["mask"] != 0
+            w = g.correction_weight(old, b["sampler_logprobs"], mask, "sequence_geometric_mask", 1 / 1.001, 1.001)
+            rows.append(torch.stack([w[:, 0], b["advantages"]], 1))
+    w, a = torch.cat(rows).T
+    kept = w == 1
+
+    def share(sel):
+        return {"responses": int(sel.sum()), "kept_share": kept[sel].double().mean().item()}
+    return {"all": share(a == a), "positive_advantage": share(a > 0), "negative_advantage": share(a < 0),
+            "zero_advantage": share(a == 0), "sum_of_kept_advantages": a[kept].sum().item()}
+
+
+def geo_check() -> dict:
+    """python studies/engine.py geo-check: the runs (2 at a time, resumable), then the record."""
+    from studies import map as regimes
+    em = read_json(EM_JSON)
+    if not em.get("runs"):
+        fail(f"{EM_JSON} has no runs yet: run `make figures-engine` first")
+    design = geo_design(em)
+    ledger = Ledger(os.path.join(GEO_RUNS, "seconds.json"))
+    try:
+        run_jobs(geo_jobs(design), GEO_RUNS)
+        kept = geo_kept_shares(design["seeds"])
+    finally:
+        ledger.close()
+    by_name = {r["name"]: r for r in em["runs"]}
+    out = {}
+    for seed in design["seeds"]:
+        plain = by_name[em_run_name("bf16_trainer", "gspo", seed)]
+        geo = by_name[em_run_name(GEO_CELL, "gspo", seed)]
+        warm = regimes.warm_path("dense", seed)
+        wide, _ = regimes.run_basics(f"wide_gspo_s{seed}", GEO_RUNS, warm)
+        rand, rl = regimes.run_basics(f"random_keep_gspo_s{seed}", GEO_RUNS, warm)
+        out[seed] = {"plain_accuracy_after_rl": plain["accuracy_after_rl"], "geo_accuracy_after_rl": geo["accuracy_after_rl"],
+                     "geo_collapsed": geo["collapsed"],
+                     "wide_accuracy_after_rl": wide["accuracy_after_rl"],
+                     "wide_equals_plain": (wide["accuracy_after_rl"] == plain["accuracy_after_rl"]
+                                           and {int(k): v for k, v in wide["val_acc_at_step"].items()}
+                                           == {int(k): v for k, v in plain["val_acc_at_step"].items()}),
+                     "random_keep_accuracy_after_rl": rand["accuracy_after_rl"], "random_keep_collapsed": rand["collapsed"],
+                     "random_keep_dropped": statistics.fmean(r["dropped"] for r in rl)}
+    record = {"geo_check_seconds": ledger.total(), "design": design, "by_seed": out, "kept_shares": kept}
+    write_json(GEO_JSON, record, "python studies/engine.py geo-check", ledger.total())
+    for seed, v in out.items():
+        print(f"seed {seed}: plain {v['plain_accuracy_after_rl']:.3f}, geometric mask {v['geo_accuracy_after_rl']:.3f}, "
+              f"mask at bounds that keep all {v['wide_accuracy_after_rl']:.3f} (equal to plain: {v['wide_equals_plain']}), "
+              f"random keep {v['random_keep_accuracy_after_rl']:.3f}")
+    print(f"kept: {kept['all']['kept_share']:.3f} of responses; A > 0 {kept['positive_advantage']['kept_share']:.3f}, "
+          f"A < 0 {kept['negative_advantage']['kept_share']:.3f}; wrote {GEO_JSON}")
+    return record
+
+
 def plot_engine_map(record: dict, path: str = "figures/engine_map.png") -> None:
     """The cells down one axis, each labelled with its deciding comparison: test accuracy after RL,
     GSPO and GRPO, each seed a dot (x: collapsed); each cell's deciding differences with its noise
@@ -749,15 +872,16 @@ def plot_engine_map(record: dict, path: str = "figures/engine_map.png") -> None:
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "_run":                     # make figures-engine's child: a run with a drop
-        if len(argv) < 3 or argv[1] not in ("random", "gap"):
-            fail("usage: python studies/engine.py _run {random,gap} RATE [gspo_minimal.py flags]")
+        if len(argv) < 3 or argv[1] not in ("random", "gap", "random_all"):
+            fail("usage: python studies/engine.py _run {random,gap,random_all} RATE [gspo_minimal.py flags]")
         return drop_run(argv[1], float(argv[2]), argv[3:])
     parser = Parser(description=__doc__.splitlines()[0])
     parser.add_argument("what", nargs="?", default=None,
-                        choices=["prototype", "measure", "redraw", "figures", "figures-design"],
+                        choices=["prototype", "measure", "redraw", "figures", "figures-design", "geo-check"],
                         help="prototype: figures/engine_prototype.json; measure: only the parts of --models, "
                              "in this interpreter; redraw: engine.png from engine.json; none: make engine; "
-                             "figures: make figures-engine; figures-design: its design into engine_map.json")
+                             "figures: make figures-engine; figures-design: its design into engine_map.json; "
+                             "geo-check: after figures-engine, the geometric mask's collapse checked")
     parser.add_argument("--confirm", action="store_true", help="figures: the confirmation (CONFIRM=1)")
     parser.add_argument("--models", default="add2,addwork,smollm2", help="comma-separated: add2, addwork, smollm2")
     parser.add_argument("--part", default=None, help="measure: only this SAMPLER:VIEW (make engine's SmolLM2 children)")
@@ -773,6 +897,9 @@ def main(argv=None) -> int:
         return 0
     if args.what == "figures":
         figures_engine(args.confirm)
+        return 0
+    if args.what == "geo-check":
+        geo_check()
         return 0
     t0 = time.perf_counter()
     if args.what == "prototype":
@@ -801,7 +928,7 @@ def main(argv=None) -> int:
             for view in VIEWS:
                 code, _ = in_own_process("studies/engine.py", ["measure", "--models", "smollm2", "--part",
                                                                f"{sampler}:{view}"],
-                                         python=args.pretrained_python, env=SMOLLM_ENV)
+                                         python=args.pretrained_python)
                 if code:
                     fail(f"make engine: SmolLM2's part {sampler}:{view} exited with {code}; its log is above", 1)
     if models != list(SIZES):
