@@ -1896,6 +1896,27 @@ def test_each_committed_figure_file_is_one_targets_own_output():
 
 
 # --- make engine: the sampler-trainer gap against length (studies/engine.py) --------------------------
+def test_the_preallocated_cache_decodes_bit_for_bit_as_transformers_growing_one(monkeypatch):
+    """paired_decode's cache writes into buffers sized once; the gaps, KLs and lengths it yields are
+    exactly those of transformers' DynamicCache, which grows by concatenation."""
+    from transformers import DynamicCache
+    tok = g.build_char_tokenizer()
+    torch.manual_seed(0)
+    model = g.build_tiny_model(tok)
+    ids, attn = g.encode_prompts(tok, ["12+34=", "7+8="] * 4, "cpu")
+    sampler = g.sampling_model(model, g.Config(sampler_dtype="bfloat16"))
+    outs = []
+    for growing in (False, True):
+        if growing:
+            monkeypatch.setattr(engine, "preallocated_cache", lambda config, capacity: DynamicCache(config=config))
+        for suppress in (True, False):
+            torch.manual_seed(1)
+            outs.append(engine.paired_decode(sampler, model, ids, attn, 20, tok.eos_token_id, suppress_eos=suppress))
+    for mine, theirs in zip(outs[:2], outs[2:]):
+        assert all(torch.equal(mine[k], theirs[k]) for k in ("d", "k", "alive"))
+    assert outs[0]["d"].shape == (8, 20) and (outs[0]["k"] > 0).any()
+
+
 def test_a_sampler_that_is_the_trainer_has_no_gap_and_a_nucleus_has_exactly_minus_log_z():
     """paired_decode with the float32 model on both sides: every d_t and k_t is exactly 0; with top-p
     0.8 the sampler's q is the renormalised nucleus, so d_t = log Z_t and k_t = -log Z_t exactly."""

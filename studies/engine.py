@@ -74,6 +74,33 @@ SMOLLM_PROMPTS = ["Tell me a story about a lighthouse keeper.", "Explain how a b
 # ---------------------------------------------------------------------------------------------
 # The measurement: one sampler and one trainer reading the same tokens.
 # ---------------------------------------------------------------------------------------------
+def preallocated_cache(config, capacity: int):
+    """A transformers DynamicCache whose full-attention layers write into buffers sized once for
+    `capacity` positions and hand attention a view of the first n: the values torch.cat would give,
+    without a new, one-token-longer allocation per layer and step. That growth is what fragments
+    glibc's heap: SmolLM2's float32 cache alone reaches about 0.9 GB over 512 tokens."""
+    from transformers import DynamicCache
+    from transformers.cache_utils import DynamicLayer
+
+    class Preallocated(DynamicLayer):
+        def update(self, key_states, value_states, *args, **kwargs):
+            if not self.is_initialized:
+                self.lazy_initialization(key_states, value_states)
+                b, h, _, d = key_states.shape
+                self.buffers = (key_states.new_empty(b, h, capacity, d), value_states.new_empty(b, h, capacity, d))
+                self.n = 0
+            m = key_states.shape[-2]
+            for buf, new in zip(self.buffers, (key_states, value_states)):
+                buf[:, :, self.n:self.n + m] = new
+            self.n += m
+            self.keys, self.values = (buf[:, :, :self.n] for buf in self.buffers)
+            return self.keys, self.values
+
+    cache = DynamicCache(config=config)
+    cache.layers = [Preallocated() if type(layer) is DynamicLayer else layer for layer in cache.layers]
+    return cache
+
+
 @torch.no_grad()
 def paired_decode(sampler, trainer, prompt_ids, prompt_mask, length: int, eos_id: int, *,
                   temperature: float = 1.0, top_p: float = 1.0, suppress_eos: bool = True) -> dict:
@@ -82,10 +109,9 @@ def paired_decode(sampler, trainer, prompt_ids, prompt_mask, length: int, eos_id
     own. Returns (B, L) float64 `d` = log p(y_t) - log q(y_t) and `k` = KL(q_t || p_t) over the
     vocabulary, and bool `alive` (False after a row's EOS; all True with `suppress_eos`, which sets
     EOS to -inf on both sides, so both distributions are renormalised without it)."""
-    from transformers import DynamicCache
     attn = prompt_mask.long()
     pos = (attn.cumsum(-1) - 1).clamp(min=0)
-    caches = [DynamicCache(config=m.config) for m in (sampler, trainer)]
+    caches = [preallocated_cache(m.config, prompt_ids.shape[1] + length) for m in (sampler, trainer)]
     logits = [m(input_ids=prompt_ids, attention_mask=attn, position_ids=pos, cache=c, use_cache=True,
                 logits_to_keep=1).logits[:, -1] for m, c in zip((sampler, trainer), caches)]
     done = torch.zeros(len(prompt_ids), dtype=torch.bool)
@@ -343,9 +369,10 @@ def part_settings(name: str) -> dict:
 
 
 # SmolLM2's parts run one to a process: in one process, a part's peak counted what earlier parts
-# had freed but the allocator kept (engine.json's first run: 4,182 MiB in its fifth part). glibc's
-# allocator is left as it is: make pretrained's MALLOC_MMAP_THRESHOLD_ of 1 MiB lowered a part's
-# peak but, with a KV cache that grows by a token every step, made decoding too slow for 40 minutes.
+# had freed but the allocator kept (engine.json's first run: 4,182 MiB in its fifth part). Within a
+# part the KV caches are preallocated (`preallocated_cache`): grown by a token per step they
+# fragmented glibc's heap, and make pretrained's cure for that, MALLOC_MMAP_THRESHOLD_ at 1 MiB,
+# made decoding too slow for 40 minutes.
 
 
 def measure(models: list[str], only: tuple[str, str] | None = None) -> None:
