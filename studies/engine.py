@@ -370,9 +370,10 @@ def part_settings(name: str) -> dict:
 
 # SmolLM2's parts run one to a process: in one process, a part's peak counted what earlier parts
 # had freed but the allocator kept (engine.json's first run: 4,182 MiB in its fifth part). Within a
-# part the KV caches are preallocated (`preallocated_cache`): grown by a token per step they
-# fragmented glibc's heap, and make pretrained's cure for that, MALLOC_MMAP_THRESHOLD_ at 1 MiB,
-# made decoding too slow for 40 minutes.
+# part, blocks that grow by a token every step (the caches, attention's copies of them) fragment
+# glibc's heap: make pretrained's cure, every block of 1 MiB or more handed back when freed, holds
+# the peak down, and the preallocated caches (`preallocated_cache`) win back the time it costs.
+SMOLLM_ENV = {"MALLOC_MMAP_THRESHOLD_": str(1 << 20)}
 
 
 def measure(models: list[str], only: tuple[str, str] | None = None) -> None:
@@ -955,7 +956,7 @@ def main(argv=None) -> int:
             for view in VIEWS:
                 code, _ = in_own_process("studies/engine.py", ["measure", "--models", "smollm2", "--part",
                                                                f"{sampler}:{view}"],
-                                         python=args.pretrained_python)
+                                         python=args.pretrained_python, env=SMOLLM_ENV)
                 if code:
                     fail(f"make engine: SmolLM2's part {sampler}:{view} exited with {code}; its log is above", 1)
     if models != list(SIZES):
