@@ -369,7 +369,7 @@ def part_settings(name: str) -> dict:
 
 
 # SmolLM2's parts run one to a process: in one process, a part's peak counted what earlier parts
-# had freed but the allocator kept (engine.json's first run: 4,182 MiB in its fifth part). Within a
+# had freed but the allocator kept (make engine's first run: its last three parts above 4 GiB). Within a
 # part, blocks that grow by a token every step (the caches, attention's copies of them) fragment
 # glibc's heap: make pretrained's cure, every block of 1 MiB or more handed back when freed, holds
 # the peak down, and the preallocated caches (`preallocated_cache`) win back the time it costs.
@@ -395,7 +395,7 @@ def projected_seconds(prototype: dict) -> float:
     """make engine's decoding time from the prototype's rates: the tiny models at their measured
     tokens/s, SmolLM2 at its 32-row rate for bf16, scaled for the other samplers by their 4-row
     rates against bf16's. A projection: attention over 512 tokens costs more than over 64, and the
-    first full run's parts took 2,336 s against the 1,502 projected here (1.56x)."""
+    full run's parts took about 1.6 times the 1,502 s projected here (engine.json's engine_seconds)."""
     parts, total = prototype["parts"], 0.0
     for name, size in SIZES.items():
         length = size["length"] or ROOM[name]
