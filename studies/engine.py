@@ -850,7 +850,8 @@ def geo_check() -> dict:
     design = geo_design(em)
     ledger = Ledger(os.path.join(GEO_RUNS, "seconds.json"))
     try:
-        run_jobs(geo_jobs(design), GEO_RUNS)
+        warm = [regimes.warmup_job("dense", s) for s in design["seeds"]]      # made where missing, as make figures-map's
+        run_jobs(warm + geo_jobs(design), GEO_RUNS)
         kept = geo_kept_shares(design["seeds"])
     finally:
         ledger.close()
