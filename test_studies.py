@@ -2103,43 +2103,46 @@ def test_figures_engine_collects_each_run_with_its_collapse_and_engine_metrics(t
     assert r["engine_kl_tokens"] == 1e-3 and r["dropped_first_minibatch"] == 0.5 and "is_masked_tokens" not in r
 
 
-def test_a_drop_run_zeroes_minibatch_ones_chosen_advantages_and_otherwise_is_the_plain_run(tmp_path, monkeypatch):
-    seen = []
-    original = g.rl_update
+def rl_lines(out) -> list[dict]:
+    """A run folder's RL metrics lines."""
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f if '"rl"' in line]
+
+
+def spy_on_advantages(monkeypatch) -> list:
+    """Wrap rl_update so that each call's advantages, as a drop run hands them on, are kept."""
+    seen, original = [], g.rl_update
 
     def spy(model, opt, batch, cfg, eps_low, eps_high):
         seen.append(batch["advantages"].clone())
         return original(model, opt, batch, cfg, eps_low, eps_high)
     monkeypatch.setattr(g, "rl_update", spy)
+    return seen
+
+
+def test_a_drop_run_zeroes_minibatch_ones_chosen_advantages_and_otherwise_is_the_plain_run(tmp_path, monkeypatch):
+    seen = spy_on_advantages(monkeypatch)
+    spy = g.rl_update
     flags = ["--sampler-dtype", "bfloat16", "--steps", "2", "--warmup-max-steps", "0", "--prompts-per-step", "4",
              "--group-size", "4", "--minibatches", "2", "--val-size", "8", "--test-size", "8"]
-
-    def rl(out):
-        return [json.loads(line) for line in open(out / "metrics.jsonl") if '"rl"' in line]
     assert engine.main(["_run", "random", "1", *flags, "--out", str(tmp_path / "all")]) == 0
-    assert [r["dropped_first_minibatch"] for r in rl(tmp_path / "all")] == [1.0, 1.0]
+    assert [r["dropped_first_minibatch"] for r in rl_lines(tmp_path / "all")] == [1.0, 1.0]
     assert all((a == 0).sum() >= 8 for a in seen)          # minibatch 1's 8 rows at least
     assert engine.main(["_run", "random", "0", *flags, "--out", str(tmp_path / "none")]) == 0
     assert g.main([*flags, "--out", str(tmp_path / "plain")]) == 0
     clock = {"step_seconds", "elapsed", "cpu_seconds", "tokens_per_second", "dropped_first_minibatch"}
-    assert ([{k: v for k, v in r.items() if k not in clock} for r in rl(tmp_path / "none")]
-            == [{k: v for k, v in r.items() if k not in clock} for r in rl(tmp_path / "plain")])   # still paired
+    assert ([{k: v for k, v in r.items() if k not in clock} for r in rl_lines(tmp_path / "none")]
+            == [{k: v for k, v in r.items() if k not in clock} for r in rl_lines(tmp_path / "plain")])   # still paired
     assert g.rl_update is spy                              # the child's patch is undone
 
 
 def test_geo_checks_random_keep_drops_across_the_whole_rollout(tmp_path, monkeypatch):
-    seen = []
-    original = g.rl_update
-
-    def spy(model, opt, batch, cfg, eps_low, eps_high):
-        seen.append(batch["advantages"].clone())
-        return original(model, opt, batch, cfg, eps_low, eps_high)
-    monkeypatch.setattr(g, "rl_update", spy)
+    seen = spy_on_advantages(monkeypatch)
     monkeypatch.setattr(g, "group_advantages", lambda r, G, **k: torch.ones_like(r))   # every row has a signal
     flags = ["--steps", "2", "--warmup-max-steps", "0", "--prompts-per-step", "4", "--group-size", "4",
              "--minibatches", "2", "--val-size", "8", "--test-size", "8", "--out", str(tmp_path / "all")]
     assert engine.main(["_run", "random_all", "1", *flags]) == 0
-    rl = [json.loads(line) for line in open(tmp_path / "all" / "metrics.jsonl") if '"rl"' in line]
+    rl = rl_lines(tmp_path / "all")
     assert [r["dropped"] for r in rl] == [1.0, 1.0] and "dropped_first_minibatch" not in rl[0]
     assert len(seen) == 2 and all((a == 0).all() for a in seen)          # both minibatches, every row
     seen.clear()
@@ -2182,7 +2185,7 @@ def test_a_gap_drop_run_drops_what_the_samplers_record_would_have_clipped(tmp_pa
     flags = ["--sampler-dtype", "bfloat16", "--steps", "2", "--warmup-max-steps", "0", "--prompts-per-step", "4",
              "--group-size", "4", "--minibatches", "2", "--val-size", "8", "--test-size", "8"]
     assert engine.main(["_run", "gap", "0", *flags, "--out", str(tmp_path / "gap")]) == 0
-    rl = [json.loads(line) for line in open(tmp_path / "gap" / "metrics.jsonl") if '"rl"' in line]
+    rl = rl_lines(tmp_path / "gap")
     assert len(rl) == 2 and all(0 <= r["dropped_first_minibatch"] <= 1 for r in rl)
 
 
