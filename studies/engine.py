@@ -582,11 +582,15 @@ def em_jobs(design: dict, cells, seeds, noise: bool = False, losses=None) -> lis
                 args = ["--model", ckpt, "--warmup-max-steps", "0", "--seed", str(rl_seed), "--loss", loss, *c["flags"]]
                 job = script_job(name, args, EM_RUNS, c["steps"], needs=warm["done"])
                 if c["drop_in_minibatch_1"]:
-                    out = job["cmd"][2:]                                  # the script's flags
-                    job = {**job, "cmd": [sys.executable, "studies/engine.py", "_run", c["drop_in_minibatch_1"],
-                                          f"{design['random_drop_rate']['rate']:.6g}", *out], "argv": out}
+                    job = drop_job(job, c["drop_in_minibatch_1"], design["random_drop_rate"]["rate"])
                 jobs.append(job)
     return jobs
+
+
+def drop_job(job: dict, kind: str, rate: float) -> dict:
+    """A script_job's run made through `python studies/engine.py _run KIND RATE` (`drop_run`)."""
+    out = job["cmd"][2:]                                                  # the script's flags
+    return {**job, "cmd": [sys.executable, "studies/engine.py", "_run", kind, f"{rate:.6g}", *out], "argv": out}
 
 
 def drop_run(kind: str, rate: float, argv: list[str]) -> int:
@@ -772,6 +776,7 @@ GEO_RUNS = "runs/engine_geo_check"
 GEO_CELL = "bf16_trainer_geo_mask"
 GEO_WIDE = ["--is-clip-min", "1e-30", "--is-clip-max", "1e30"]     # bounds no ratio leaves: nothing masked
 GEO_ROLLOUTS = 5                                                   # per seed's warm-up, for the kept shares
+GEO_PRESET = g.is_bounds(g.Config(is_correction="sequence_geometric_mask"))    # verl's, 1/1.001 and 1.001
 
 
 def geo_design(em: dict) -> dict:
@@ -788,7 +793,7 @@ def geo_design(em: dict) -> dict:
                             "how": "every step, each response of the whole rollout given advantage 0 with that "
                                    "probability (its own generator), the trainer's pi_old, no mask",
                             "question": "does keeping as few responses, chosen at random, collapse the run too?"},
-            "kept_shares": {"rollouts_per_seed": GEO_ROLLOUTS, "bounds": [1 / 1.001, 1.001],
+            "kept_shares": {"rollouts_per_seed": GEO_ROLLOUTS, "bounds": list(GEO_PRESET),
                             "question": "which responses does the preset keep, by the sign of the advantage?",
                             "where": "the warm-up checkpoints the runs start from, the bf16 sampler, the "
                                      "trainer's pi_old, no update"}}
@@ -805,10 +810,7 @@ def geo_jobs(design: dict) -> list[dict]:
                                design["steps"], needs=warm["done"]))
         job = script_job(f"random_keep_gspo_s{seed}", base + design["random_keep"]["flags"], GEO_RUNS,
                          design["steps"], needs=warm["done"])
-        out = job["cmd"][2:]
-        rate = design["random_keep"]["drop_rate_by_seed"][seed]
-        jobs.append({**job, "cmd": [sys.executable, "studies/engine.py", "_run", "random_all", f"{rate:.6g}", *out],
-                     "argv": out})
+        jobs.append(drop_job(job, "random_all", design["random_keep"]["drop_rate_by_seed"][seed]))
     return jobs
 
 
@@ -830,7 +832,7 @@ def geo_kept_shares(seeds, rollouts: int = GEO_ROLLOUTS) -> dict:
                           cfg, "cpu")
             old = g.policy_logprobs(model, b["prompt_ids"], b["prompt_mask"], b["completions"])
             mask = b["mask"] != 0
-            w = g.correction_weight(old, b["sampler_logprobs"], mask, "sequence_geometric_mask", 1 / 1.001, 1.001)
+            w = g.correction_weight(old, b["sampler_logprobs"], mask, "sequence_geometric_mask", *GEO_PRESET)
             rows.append(torch.stack([w[:, 0], b["advantages"]], 1))
     w, a = torch.cat(rows).T
     kept = w == 1
