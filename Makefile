@@ -14,7 +14,7 @@ STAMP     := .venv/.installed
 STAMP_TRL := .venv-trl/.installed
 STAMP_PRE := .venv-pretrained/.installed
 
-.PHONY: train test check test-thorough verify figures trl test-trl bench test-pretrained pretrained pretrained-seeds figures-family figures-long figures-map figures-frontier engine figures-engine gpu-check clean
+.PHONY: train test test-isa check test-thorough verify figures trl test-trl bench test-pretrained pretrained pretrained-seeds figures-family figures-long figures-map figures-frontier engine figures-engine gpu-check clean
 
 $(STAMP): requirements.txt
 	rm -rf .venv
@@ -39,9 +39,24 @@ train: $(STAMP)  ## the default run: warm-up, then GSPO, into runs/train
 	$(PY) gspo_minimal.py --seed $(SEED) --out runs/train
 
 test: $(STAMP)  ## the whole suite but the extras (marker `extra`) and the slower checks (marker `thorough`), derandomized hypothesis profile `ci`; anyio's pytest plugin (a dependency's, unused here) stays unloaded, as its import and assertion rewriting cost half a second
-	HYPOTHESIS_PROFILE=ci $(PY) -m pytest -q -p no:anyio -m "not extra and not thorough"
+	$(CORE_PYTEST)
 
-check: test test-trl test-pretrained  ## what CI runs: the core suite, then each extra's suite in its own venv
+# The core suite again at two lower instruction-set levels, each with every library that dispatches on
+# the CPU held to it (torch's ATen kernels, numpy's SIMD loops, numpy's OpenBLAS, torch's MKL and
+# oneDNN), so that a test bound to this CPU fails here rather than on a user's machine. The levels
+# are x86-64's (AVX2: the machines without AVX-512; default: SSE only); elsewhere the variables are
+# unknown names and each leg runs the native suite again.
+ISA_AVX2    := ATEN_CPU_CAPABILITY=avx2 NPY_DISABLE_CPU_FEATURES="X86_V4 AVX512_ICL AVX512_SPR" \
+               OPENBLAS_CORETYPE=Haswell MKL_ENABLE_INSTRUCTIONS=AVX2 ONEDNN_MAX_CPU_ISA=AVX2
+ISA_DEFAULT := ATEN_CPU_CAPABILITY=default NPY_DISABLE_CPU_FEATURES="X86_V3 X86_V4 AVX512_ICL AVX512_SPR" \
+               OPENBLAS_CORETYPE=Nehalem MKL_ENABLE_INSTRUCTIONS=SSE4_2 ONEDNN_MAX_CPU_ISA=SSE41
+CORE_PYTEST := HYPOTHESIS_PROFILE=ci $(PY) -m pytest -q -p no:anyio -m "not extra and not thorough"
+
+test-isa: $(STAMP)  ## the core suite at the two lower dispatch levels (AVX2 without AVX-512, then SSE only)
+	$(ISA_AVX2) $(CORE_PYTEST)
+	$(ISA_DEFAULT) $(CORE_PYTEST)
+
+check: test test-isa test-trl test-pretrained  ## what CI runs: the core suite at three dispatch levels, then each extra's suite in its own venv
 
 test-thorough: $(STAMP)  ## the same suite with the slower checks (marker `thorough`) and many more hypothesis examples
 	HYPOTHESIS_PROFILE=thorough $(PY) -m pytest -q -m "not extra"

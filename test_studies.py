@@ -34,6 +34,42 @@ def make_dry_run(*targets: str) -> list[str]:
     return out.stdout.splitlines()
 
 
+# A number recomputed here against one committed from another host: float64 sums and products whose
+# kernels (torch's, numpy's, BLAS's) differ by CPU in the order they add, hence in the last bits (the
+# Firth fit's slope read 7.206985814041099 on an AVX2 host against the committed ...097). Each
+# rounding is 1.1e-16 relative; an iterated fit (Newton steps on a 2x2 information matrix) amplifies
+# it by the matrix's condition number (21 to 35 in the committed fits), and its stopping rule
+# (a step under 1e-10) may take one step more or fewer, which moves the result by far less than that
+# step. 1e-9 relative (1e-12 absolute near zero) admits that and nothing a real change could make:
+# the docs quote three significant digits.
+FLOAT64_ACROSS_HOSTS = 1e-9
+
+
+def assert_same_numbers(got, want, rel: float, path: str = "") -> None:
+    """`got` equals `want` in structure, keys, strings, booleans and integers exactly, and in floats
+    within `rel` (relative; `rel` * 1e-3 absolute near zero); the first difference names its path."""
+    if isinstance(want, dict):
+        assert isinstance(got, dict) and set(got) == set(want), f"{path}: keys {sorted(got)} against {sorted(want)}"
+        for k in want:
+            assert_same_numbers(got[k], want[k], rel, f"{path}.{k}")
+    elif isinstance(want, list):
+        assert isinstance(got, list) and len(got) == len(want), f"{path}: {got!r} against {want!r}"
+        for i, (a, b) in enumerate(zip(got, want)):
+            assert_same_numbers(a, b, rel, f"{path}[{i}]")
+    elif isinstance(want, float) and isinstance(got, float):
+        assert math.isclose(got, want, rel_tol=rel, abs_tol=rel * 1e-3), f"{path}: {got!r} against {want!r}"
+    else:
+        assert got == want and type(got) is type(want), f"{path}: {got!r} against {want!r}"
+
+
+def test_same_numbers_admits_the_last_bits_and_nothing_more():
+    committed = {"slope": 7.206985814041097, "n": 5, "called": False, "ci": [0.71, 0.93]}
+    assert_same_numbers({**committed, "slope": 7.206985814041099}, committed, FLOAT64_ACROSS_HOSTS)
+    for changed in ({"slope": 7.2069858}, {"n": 5.0}, {"called": 0}, {"ci": [0.71, 0.9300001]}, {"ci": [0.71]}):
+        with pytest.raises(AssertionError):
+            assert_same_numbers({**committed, **changed}, committed, FLOAT64_ACROSS_HOSTS)
+
+
 def installs_by_venv(lines: list[str]) -> dict[str, set[str]]:
     """venv folder -> the requirement files and packages `pip install` puts into it."""
     found: dict[str, set[str]] = {}
@@ -75,7 +111,16 @@ def test_ci_runs_make_check_and_make_check_runs_every_suite():
         commands = [ln.strip() for ln in f if ln.strip() and not ln.lstrip().startswith("#")]
     assert "make check" in commands
     lines = make_dry_run("check")
-    assert sum("-m pytest" in ln for ln in lines) == 3
+    assert sum("-m pytest" in ln for ln in lines) == 5
+    # the core suite at three dispatch levels: natively, then with every library held to AVX2, then to SSE
+    core = [ln for ln in lines if "-m pytest" in ln and ".py" not in ln.split("-m pytest", 1)[1]]
+    assert len(core) == 3
+    assert "ATEN_CPU_CAPABILITY" not in core[0] and "NPY_DISABLE_CPU_FEATURES" not in core[0]
+    for line, isa in zip(core[1:], ("avx2", "default")):
+        assert f"ATEN_CPU_CAPABILITY={isa} " in line
+        for var in ("NPY_DISABLE_CPU_FEATURES=", "OPENBLAS_CORETYPE=", "MKL_ENABLE_INSTRUCTIONS=", "ONEDNN_MAX_CPU_ISA="):
+            assert var in line, (isa, var)
+    assert "X86_V4" in core[1] and "X86_V3" not in core[1] and "X86_V3 X86_V4" in core[2]
     extras_runs = [ln for ln in lines if "test_trl.py" in ln or "test_pretrained.py" in ln]
     assert extras_runs and all("GSPO_REQUIRE_EXTRAS=1" in ln for ln in extras_runs)
 
@@ -296,8 +341,9 @@ def test_a_run_made_on_another_host_or_with_other_settings_is_made_again_and_so_
         config = {**common.job_config(job(name)), **config_changes}
         with open(tmp_path / name / "summary.json", "w") as f:
             json.dump({"interrupted": False, "host": host, "config": config}, f)
-    other_cpu = copy.deepcopy(here)
-    other_cpu["cpu_capability"], other_cpu["cpu"]["flags"]["avx512f"] = "AVX2", not here["cpu"]["flags"]["avx512f"]
+    other_cpu = copy.deepcopy(here)     # another host: what differs from this one, whatever this one is
+    other_cpu["cpu_capability"] = "AVX2" if here["cpu_capability"] != "AVX2" else "AVX512"
+    other_cpu["cpu"]["flags"]["avx512f"] = not here["cpu"]["flags"]["avx512f"]
     leave("same", here)
     leave("other_host", other_cpu)
     leave("two_threads", {**here, "threads": 2})
@@ -2406,8 +2452,8 @@ def test_the_committed_frontier_holds_every_pair_under_the_design_the_code_fixes
     assert d["analysis_code_commit"] == frontier.DESIGN_COMMIT and not record["dirty"]
     assert len(frontier.pairs_of(record["runs"])) == d["pairs"] == len(d["cells"]) * d["warmups_per_model"]
     again = frontier.analyse({"runs": record["runs"], "design": d})
-    assert json.loads(json.dumps(g.finite_or_null({"test": again["test"], "frontier": again["frontier"]}))) \
-        == {"test": record["test"], "frontier": record["frontier"]}
+    assert_same_numbers(json.loads(json.dumps(g.finite_or_null({"test": again["test"], "frontier": again["frontier"]}))),
+                        {"test": record["test"], "frontier": record["frontier"]}, FLOAT64_ACROSS_HOSTS)
     assert record["figures_frontier_seconds"] <= d["budget_seconds"]
 
 
