@@ -14,7 +14,7 @@ STAMP     := .venv/.installed
 STAMP_TRL := .venv-trl/.installed
 STAMP_PRE := .venv-pretrained/.installed
 
-.PHONY: train test test-isa check test-thorough verify figures trl test-trl bench test-pretrained pretrained pretrained-seeds figures-family figures-long figures-map figures-frontier engine figures-engine gpu-check clean
+.PHONY: train profile train-seeds test test-isa check test-thorough verify figures trl test-trl bench test-pretrained pretrained pretrained-seeds figures-family figures-long figures-map figures-frontier engine figures-engine gpu-check clean
 
 $(STAMP): requirements.txt
 	rm -rf .venv
@@ -37,6 +37,12 @@ $(STAMP_PRE): requirements.txt requirements-pretrained.txt
 
 train: $(STAMP)  ## the default run: warm-up, then GSPO, into runs/train
 	$(PY) gspo_minimal.py --seed $(SEED) --out runs/train
+
+profile: $(STAMP)  ## where one cycle of make train spends its time, part by part, against the bare-GEMM time of its FLOPs, and the levers tried: figures/profile.json (about 2 min)
+	$(PY) studies/speed.py profile
+
+train-seeds: $(STAMP)  ## make train at seeds 0, 1 and 2, one after another: wall time and accuracy, figures/train_seeds.json (about 9 min)
+	$(PY) studies/speed.py train-seeds
 
 test: $(STAMP)  ## the whole suite but the extras (marker `extra`) and the slower checks (marker `thorough`), derandomized hypothesis profile `ci`; anyio's pytest plugin (a dependency's, unused here) stays unloaded, as its import and assertion rewriting cost half a second
 	$(CORE_PYTEST)

@@ -1396,7 +1396,7 @@ def test_lens_weights_are_each_objectives_gradient_in_closed_form():
 
 
 # --- the docs: every tagged number in results.md equals its committed JSON; every link resolves ------
-DOCS = ("README.md", "tutorial.md", "results.md")
+DOCS = ("README.md", "tutorial.md", "results.md", "stack.md")
 # a number's JSON key sits right after it as an HTML comment: out of sight when rendered, read here
 TAG = re.compile(r"<!-- ([\w.-]+\.json):(.+?) -->")
 NUMBER = re.compile(r"(?<![\w.])[-+\u2212]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:[eE][-+]?\d+)?%?")
@@ -1933,7 +1933,8 @@ def test_each_committed_figure_file_is_one_targets_own_output():
     """The files a target leaves out of its dirty check (its OUTPUTS) are exactly the ones it writes:
     every committed file in figures/ belongs to one target, but the kept earlier copies."""
     owners = {}
-    for study in (figures, family, long, regimes, pretrained, pretrained_seeds, trl_compare, lens, engine, frontier):
+    for study in (figures, family, long, regimes, pretrained, pretrained_seeds, trl_compare, lens, engine, frontier,
+                  speed):
         for out in study.OUTPUTS:
             assert out not in owners, f"{out}: {owners.get(out)} and {study.__name__}"
             owners[out] = study.__name__
@@ -2505,3 +2506,67 @@ def test_the_long_rerun_repeats_every_number_of_the_earlier_runs_but_times():
     walk(new, old, "")
     assert not differ, differ[:10]
     assert new["runs_reused"] == [] and old["host"] is None and new["host"]["cpu"]["model"]
+
+
+# --- make profile and make train-seeds (studies/speed.py) ----------------------------------------
+def tiny_rollout(seed: int = 0):
+    """A rollout of the untrained tiny model at make train's layout (groups of 8), 4 prompts."""
+    cfg = g.Config(prompts_per_step=4)
+    tok = g.build_char_tokenizer()
+    torch.manual_seed(seed)
+    model = g.build_tiny_model(tok)
+    batch = g.rollout(model, tok, common.problems(cfg.prompts_per_step, random.Random(seed)), cfg, "cpu")
+    return model, tok, cfg, batch
+
+
+def test_the_profiles_timer_counts_each_part_once_and_undoes_itself():
+    model, tok, cfg, batch = tiny_rollout()
+    opt, _ = g.rl_optimizer(model, cfg)
+    originals = (g.group_policy_logprobs, torch.Tensor.backward, opt.step, g.rl_update)
+    timer = speed.PartTimer(opt)
+    try:
+        g.rl_update(model, opt, batch, cfg, *g.resolved_eps(cfg))
+        parts = timer.seconds
+    finally:
+        timer.close()
+    assert {"update", "pre_update_pass", "update_forward", "backward", "optimiser", "metrics"} <= set(parts)
+    inside = sum(parts[k] for k in ("pre_update_pass", "update_forward", "backward", "optimiser", "metrics"))
+    assert 0 < inside <= parts["update"]                       # nested parts never count twice
+    assert (g.group_policy_logprobs, torch.Tensor.backward, opt.step, g.rl_update) == originals
+
+
+def test_the_packed_lever_gives_the_scripts_log_probs_at_every_kept_position():
+    """prefix_packed_logprobs, the lever the profile times and the script does not keep: one packed
+    sequence per group under a block mask, the same log-probs as group_policy_logprobs where the
+    completion mask holds, 0 after EOS."""
+    model, tok, cfg, batch = tiny_rollout(1)
+    args = [batch[k] for k in ("prompt_ids", "prompt_mask", "completions")]
+    keep = batch["mask"] != 0
+    assert not keep.all()                                      # some rows stopped early: positions skipped
+    ref = g.group_policy_logprobs(model, *args, cfg.group_size)
+    packed = speed.prefix_packed_logprobs(model, *args, batch["mask"], cfg.group_size)
+    assert torch.allclose(packed[keep], ref[keep], atol=2e-5) and (packed[~keep] == 0).all()
+
+
+def test_the_committed_profile_holds_its_parts_and_the_bare_gemm_time_of_its_flops():
+    with open(os.path.join(HERE, "figures", "profile.json")) as f:
+        record = json.load(f)
+    p = record["profile"]
+    parts = p["parts_seconds"]
+    assert set(parts) == {"sampling", "rollout_rest", "pre_update_pass", "update_forward", "backward", "optimiser",
+                          "metrics", "update_rest", "other", "evaluation_per_cycle"}
+    # the medians of the parts add up to about the median cycle (medians do not add exactly)
+    assert sum(v for k, v in parts.items() if k != "evaluation_per_cycle") == pytest.approx(p["cycle_seconds"], rel=0.1)
+    assert p["bare_gemm_seconds"] == pytest.approx(p["cycle_flops"] / p["gemm_flops_per_second"])
+    assert p["gemm_kernel_seconds"] < p["aten_seconds"] < p["profiled_cycle_seconds"]
+    assert record["levers"]["ways"]["script"]["against_script"] == 1
+    assert record["host"]["threads"] == record["threads"] and record["cycles"] > record["cycles_discarded"]
+
+
+def test_the_committed_train_seeds_are_make_trains_run_at_three_seeds():
+    with open(os.path.join(HERE, "figures", "train_seeds.json")) as f:
+        record = json.load(f)
+    assert [r["seed"] for r in record["runs"]] == list(speed.TRAIN_SEEDS) == [0, 1, 2]
+    for r in record["runs"]:
+        assert r["command"].split()[:3] == ["gspo_minimal.py", "--seed", str(r["seed"])] and r["host"]
+    assert record["wall_seconds_median"] == statistics.median(r["wall_seconds"] for r in record["runs"])
