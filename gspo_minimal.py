@@ -164,6 +164,9 @@ class Config:
     """where log pi_old comes from: trainer (the trainer's own pass over the rollout) or sampler (the
     log-probs the sampler recorded while sampling, for every minibatch, the first included: the
     trainer's pre-update pass is skipped, as trainers fed by vLLM or SGLang do)"""
+    record_noise: str = ""
+    """synthetic engine, "K,SIGMA": pi_old is the trainer's own pass shifted by a gap d_t ~ N(-K, SIGMA^2)
+    per token, as if an engine had recorded it (float32 sampler, --old-logprobs trainer; `synthetic_gap`)"""
     is_correction: str = "none"
     """correct the sampler-trainer mismatch with a detached weight on each token's loss term, from
     the trainer's pi_old against the sampler's record (TRL 1.16's vllm_importance_sampling_mode of
@@ -1139,18 +1142,17 @@ def warmup(model, tokenizer, splits, cfg: Config, device, rng: random.Random, ru
 # ---------------------------------------------------------------------------------------------
 def sampling_model(model, cfg: Config):
     """The model that samples a rollout: the policy itself (--sampler-dtype float32), or a copy of it
-    cast to bfloat16 or float16, weights and activations (`.to(dtype)`), made now from the current
-    weights, as an inference engine holds weights of its own. Its log-probs of the same tokens
-    differ from the trainer's by the engine gap (`engine_gap`)."""
+    cast to bfloat16 or float16, weights and activations, made now, as an inference engine holds
+    weights of its own. Its log-probs of the same tokens differ by the engine gap (`engine_gap`)."""
     if cfg.sampler_dtype == "float32":
         return model
     return copy.deepcopy(model).to(getattr(torch, cfg.sampler_dtype))
 
 
 def engine_differs(cfg: Config) -> bool:
-    """Whether the sampler draws from another distribution than the trainer's by construction:
-    another dtype, or a nucleus (--top-p). Such runs log the engine's KL and log s."""
-    return cfg.sampler_dtype != "float32" or cfg.top_p < 1
+    """Whether pi_old's record differs from the trainer by construction: another dtype, a nucleus
+    (--top-p) or the synthetic engine. Such runs log log s at theta_old (and a real engine its KL)."""
+    return cfg.sampler_dtype != "float32" or cfg.top_p < 1 or bool(cfg.record_noise)
 
 
 KL_ELEMENTS = 2 ** 22      # logits per piece of `engine_kl_tokens`: 16 MiB in float32, any vocabulary
@@ -1206,8 +1208,8 @@ def rollout(model, tokenizer, problems, cfg: Config, device) -> dict:
                             zip(completions.tolist(), answers)], device=device)    # (B,)
     if cfg.shuffle_rewards:           # the control: same reward statistics, no relation to answers
         rewards = rewards[torch.randperm(len(rewards), device=device)]
-    return {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "completions": completions,
-            "mask": mask, "rewards": rewards, "sampler_logprobs": sampled,
+    return {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "completions": completions, "mask": mask,
+            "rewards": rewards, "sampler_logprobs": sampled, "record_gap": synthetic_gap(mask, cfg),  # (B, T)
             "advantages": group_advantages(rewards, G, scale=cfg.scale_rewards == "group")}
 
 
@@ -1286,17 +1288,13 @@ ENGINE_KEYS = ("engine_gap_tokens", "engine_gap_seqs", "engine_log_s_mean", "eng
 def summarise_minibatches(logs: list[dict]) -> dict:
     """One step's metrics from its minibatches' `ratio_metrics` (each with "loss", "n_clip_ceiling").
 
-    `clip_ceiling` is the share of the step's tokens that could clip at all: `clip_tokens` never
-    exceeds it, whatever the band. `grad_norm` is the largest of the minibatches' gradient norms
-    (before clipping); `clip_seqs_by_minibatch` holds, per minibatch in order, its share of clipped
-    sequences, and `abs_log_s_q` and `abs_token_log_ratio_q` the `quantiles` of |log s| and of the
-    token log-ratios |delta_t|, and `update_size_by_minibatch` the mean of log(pi_old / pi_theta)
-    over its tokens just before its update (how far the rollout's earlier updates had moved the
-    policy: 0 for minibatch 1 with the trainer's pi_old); the engine gap is minibatch 1's. Where the
-    sampler differs from the trainer (`engine_differs`: minibatch 1 then carries
-    `engine_log_s_mean`), also the clip shares among responses and tokens with A > 0 and with A < 0
-    (`clip_seqs_pos_adv`, ...), and
-    --is-correction's mean weight and share of tokens weighted 0 where it is on.
+    `clip_ceiling`: the share of the step's tokens that could clip at all (`clip_tokens` never
+    exceeds it). `grad_norm`: the largest minibatch's, before clipping. Per minibatch in order: its
+    share of clipped sequences, the `quantiles` of |log s| and of |delta_t|, and the mean of
+    log(pi_old / pi_theta) over its tokens just before its update (0 for minibatch 1 with the
+    trainer's pi_old). The engine gap is minibatch 1's; where pi_old's record differs from the
+    trainer (`engine_differs`), also the clip shares among responses and tokens with A > 0 and with
+    A < 0 (`clip_seqs_pos_adv`, ...); --is-correction's mean weight and share of zero weights.
     """
     s = torch.cat([m["s"] for m in logs])                                  # (B,)
     tokens = max(sum(m["n_tokens"] for m in logs), 1)
@@ -1337,20 +1335,19 @@ def row_share(loss: str, aggregation: str) -> bool:
 def rl_update(model, opt, batch: dict, cfg: Config, eps_low: float, eps_high: float) -> dict:
     """Split one rollout into `minibatches` chunks of whole groups and take one clipped step on each.
 
-    Whole groups: each prompt is then run once per chunk (group_policy_logprobs), and each
-    chunk's advantages sum to 0 group by group (TRL shuffles single completions instead).
-    pi_old is the policy that sampled the rollout. With --old-logprobs trainer (the default) it is
-    the trainer's own arithmetic: for the first chunk the update's own forward pass, detached, so
-    s = 1 exactly there; for the others, one pass BEFORE the first update. With --old-logprobs
-    sampler it is the sampler's record for every chunk (`rollout`), and that pass is skipped: then
-    s != 1 already in chunk 1, by the engine gap. Every later chunk is off-policy.
+    Whole groups: each prompt runs once per chunk (group_policy_logprobs), and each chunk's
+    advantages sum to 0 group by group (TRL shuffles single completions instead). pi_old is the
+    policy that sampled the rollout. With --old-logprobs trainer (the default) it is the trainer's
+    own arithmetic: for chunk 1 the update's own pass, detached, so s = 1 exactly there; for the
+    others, one pass BEFORE the first update (the synthetic engine shifts both by its gap). With
+    --old-logprobs sampler it is the sampler's record for every chunk and that pass is skipped: s
+    != 1 already in chunk 1, by the engine gap. Every later chunk is off-policy.
 
-    --micro-batch N runs each chunk's forward and backward N rows at a time and adds up their
-    gradients before the one optimiser step: the same loss and gradient as one pass (each piece's
-    loss weighted by its share, `row_share`; token-normalised losses keep the chunk's `num_tokens`),
-    at the memory of N rows. Pieces of whole groups keep the prompt-once pass; other pieces, and
-    gradient checkpointing (whose layers drop the KV cache while training), run one full pass per
-    row. Returns the step's metrics (`summarise_minibatches`).
+    --micro-batch N runs each chunk N rows at a time and adds up their gradients before the one
+    optimiser step: the same loss and gradient as one pass (each piece weighted by its share,
+    `row_share`; token-normalised losses keep the chunk's `num_tokens`), at the memory of N rows.
+    Pieces of whole groups keep the prompt-once pass; other pieces, and gradient checkpointing
+    (whose layers drop the KV cache), run one full pass per row. Returns `summarise_minibatches`.
     """
     G = cfg.group_size
     chunks = group_chunks(len(batch["rewards"]), G, cfg.minibatches, batch["rewards"].device)
@@ -1365,6 +1362,7 @@ def rl_update(model, opt, batch: dict, cfg: Config, eps_low: float, eps_high: fl
             return group_policy_logprobs(model, *args, G, temperature=cfg.temperature)
         return policy_logprobs(model, *args, temperature=cfg.temperature)
     record = batch.get("sampler_logprobs")   # (B, T); None in a batch not made by `rollout`
+    shift = batch.get("record_gap")           # (B, T): the synthetic engine's d_t (--record-noise), or None
     if from_sampler and record is None:
         raise ValueError("--old-logprobs sampler needs the rollout's sampler_logprobs")
     old = record                              # pi_old: the sampler's record, or the trainer's pass
@@ -1382,6 +1380,8 @@ def rl_update(model, opt, batch: dict, cfg: Config, eps_low: float, eps_high: fl
             logp_new = logprobs(part)
             # chunk 1 in trainer mode: nothing has changed yet, its own pass is pi_old (s = 1)
             logp_old = logp_new.detach() if k == 0 and not from_sampler else old[part].to(logp_new.dtype)
+            if shift is not None:             # the synthetic engine's record of the same tokens
+                logp_old = logp_old - shift[part]
             adv, mask = batch["advantages"][part], batch["mask"][part] != 0
             dropped = 0
             if cfg.off_policy_mask is not None:           # DeepSeek-V3.2: drop drifted A < 0 responses
@@ -1405,10 +1405,10 @@ def rl_update(model, opt, batch: dict, cfg: Config, eps_low: float, eps_high: fl
         logp_new, logp_old, adv, mask = (torch.cat(x) for x in list(zip(*seen))[:4])
         gap = {}
         if k == 0 and record is not None:   # the trainer's pass at theta_old, which ran anyway
-            full = batch["mask"][idx] != 0
-            gap = dict(zip(("engine_gap_tokens", "engine_gap_seqs"), engine_gap(logp_new, record[idx], full)))
+            full, rec = batch["mask"][idx] != 0, record[idx] if shift is None else logp_old
+            gap = dict(zip(("engine_gap_tokens", "engine_gap_seqs"), engine_gap(logp_new, rec, full)))
             if engine_differs(cfg):         # signed: the mean log s the sampler hands the update
-                gap["engine_log_s_mean"] = sequence_log_ratio(logp_new, record[idx], full)[full.any(-1)].mean().item()
+                gap["engine_log_s_mean"] = sequence_log_ratio(logp_new, rec, full)[full.any(-1)].mean().item()
                 if "engine_kl_tokens" in batch:      # train() measured it as the rollout ended
                     gap["engine_kl_tokens"] = batch["engine_kl_tokens"]
         if corrected:
@@ -1491,7 +1491,7 @@ def train(cfg: Config, model, tokenizer, device, run, stop) -> dict:
             problems = sample_train_problems(splits, task, cfg.prompts_per_step, rng)
             sampler = sampling_model(model, cfg)
             batch = rollout(sampler, tokenizer, problems, cfg, device)
-            if engine_differs(cfg):        # how far apart the two next-token distributions are, exactly
+            if engine_differs(cfg) and not cfg.record_noise:      # a real engine's two distributions: KL
                 batch["engine_kl_tokens"] = engine_kl_tokens(sampler, model, batch, cfg)
             del sampler
             # Update: one clipped step per minibatch of whole groups; all but the first off-policy.
@@ -1577,6 +1577,38 @@ def main(argv: list[str] | None = None) -> int:
 # =============================================================================================
 # Nothing below is GSPO: the run folder, Ctrl-C, the command line, reading a --data file.
 # =============================================================================================
+# --- The synthetic engine (--record-noise): a record of pi_old with a gap of known bias and noise --
+RECORD_SEED_MIX = 0x9E3779B97F4A7C15      # its generator's seed is --seed XOR this: a stream of its own
+
+
+def record_noise_values(cfg: Config) -> tuple[float, float] | None:
+    """--record-noise's (K, SIGMA), None without it (`validate` has checked the text)."""
+    if not cfg.record_noise:
+        return None
+    k, sigma = (float(v) for v in cfg.record_noise.split(","))
+    return k, sigma
+
+
+def synthetic_gap(mask: torch.Tensor, cfg: Config) -> torch.Tensor | None:
+    """The synthetic engine's gap d_t = log pi_old(y_t) - log record(y_t) at each token of a rollout,
+    (B, T) float32, 0 after a row's EOS: independent draws of N(-K, SIGMA^2), K and SIGMA from
+    --record-noise; None without it. The draws come from a generator of the run's own (made at the
+    first rollout, kept on `cfg`), so the rollout and every other random number are those of the
+    run without the flag, and K = SIGMA = 0 gives that run exactly. `rl_update` subtracts d_t from
+    the trainer's pi_old; at theta = theta_old a response of n tokens then has log s = mean_t d_t,
+    of mean -K and variance SIGMA^2 / n: tutorial section 12's model of an engine's gap, with a
+    bias that length does not remove and a noise that it does."""
+    values = record_noise_values(cfg)
+    if values is None:
+        return None
+    k, sigma = values
+    if "_record_generator" not in cfg.__dict__:          # not a field: dataclasses.asdict leaves it out
+        cfg._record_generator = torch.Generator().manual_seed(cfg.seed ^ RECORD_SEED_MIX)
+    gen = cfg._record_generator
+    d = torch.randn(mask.shape, generator=gen) * sigma - k                     # (B, T), on the CPU
+    return torch.where(mask.cpu() != 0, d, torch.zeros(())).to(mask.device)
+
+
 # --- The run folder: metrics.jsonl, atomic checkpoints, summary.json --------------------------
 MARKER = ".gspo_minimal_run"   # says "this script wrote this folder", so it may be replaced
 # everything this script (or studies/trl_compare.py) writes into a run folder; anything else is the
@@ -2232,6 +2264,18 @@ def validate(cfg: Config) -> None:
         if not (high is None or high > 0) or not (low is None or low >= 0) or (
                 low is not None and high is not None and not low < high):
             raise BadInput(f"--is-clip-min and --is-clip-max must satisfy 0 <= min < max, got {low} and {high}")
+    if cfg.record_noise:
+        try:
+            k, sigma = (float(v) for v in cfg.record_noise.split(","))
+        except ValueError:
+            raise BadInput(f"--record-noise takes K,SIGMA (two numbers, e.g. 1.2e-3,0.049), got "
+                           f"{cfg.record_noise!r}") from None
+        if not (math.isfinite(k) and math.isfinite(sigma) and k >= 0 and sigma >= 0):
+            raise BadInput(f"--record-noise's K (a KL floor) and SIGMA must be finite and >= 0, got "
+                           f"{cfg.record_noise}")
+        if (cfg.sampler_dtype, cfg.top_p, cfg.old_logprobs, cfg.is_correction) != ("float32", 1.0, "trainer", "none"):
+            raise BadInput("--record-noise shifts the trainer's own pi_old: it needs --sampler-dtype float32, "
+                           "--top-p 1, --old-logprobs trainer and no --is-correction")
     if cfg.scale_rewards not in ("group", "none"):
         raise BadInput(f"unknown --scale-rewards {cfg.scale_rewards!r}; choose group or none")
     if cfg.prompts_per_step * cfg.group_size > MAX_ROLLOUT:

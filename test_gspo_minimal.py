@@ -434,6 +434,12 @@ BAD_NUMBERS = {
     "correction bound negative": ["--sampler-dtype", "float16", "--is-correction", "token_truncate",
                                   "--is-clip-min", "-1"],
     "correction bound inf": ["--sampler-dtype", "bfloat16", "--is-correction", "token_mask", "--is-clip-max", "inf"],
+    "synthetic engine, one number": ["--record-noise", "1e-3"],
+    "synthetic engine, three numbers": ["--record-noise", "1e-3,0.05,2"],
+    "synthetic engine, negative K": ["--record-noise", "-1e-3,0.05"],
+    "synthetic engine, nan": ["--record-noise", "1e-3,nan"],
+    "synthetic engine on a bf16 sampler": ["--record-noise", "1e-3,0.05", "--sampler-dtype", "bfloat16"],
+    "synthetic engine on the sampler's pi_old": ["--record-noise", "1e-3,0.05", "--old-logprobs", "sampler"],
 }
 BAD.update(BAD_NUMBERS)
 
@@ -1541,3 +1547,46 @@ def test_the_optimiser_is_gone_before_the_final_evaluation(tmp_path, monkeypatch
     monkeypatch.setattr(g, "accuracy", counted)
     assert g.main([*REPEAT, "--out", str(tmp_path / "run")]) == 0
     assert live[-1] == 0 and max(live) == 1, live        # alive at RL's evaluations, gone at the end
+
+
+# --- the synthetic engine (--record-noise) --------------------------------------------------------
+def synthetic_runs(tmp_path, *noises):
+    """metrics.jsonl records and final weights of the REPEAT run without --record-noise, then with each
+    of `noises`."""
+    out = []
+    for i, noise in enumerate((None, *noises)):
+        folder = str(tmp_path / f"run{i}")
+        assert g.main([*REPEAT, "--out", folder, *(["--record-noise", noise] if noise else [])]) == 0
+        with open(os.path.join(folder, "metrics.jsonl")) as f:
+            rows = [without_timings(json.loads(line)) for line in f]
+        out.append((rows, (tmp_path / f"run{i}" / "checkpoint" / "model.safetensors").read_bytes()))
+    return out
+
+
+def test_a_synthetic_engine_without_bias_or_noise_is_the_trainers_run_bit_for_bit(tmp_path):
+    """K = SIGMA = 0: pi_old is the trainer's own pass shifted by exactly 0, so every metric the plain
+    run logs and the final weights are the same (but the engine gap, which the plain run takes
+    against the float32 sampler's own record, last bits apart, and this one against the synthetic
+    record: 0); it also logs log s at theta_old (0) and the by-sign clip shares, as a real engine's
+    run does."""
+    (plain, w_plain), (synth, w_synth) = synthetic_runs(tmp_path, "0,0")
+    assert len(plain) == len(synth) and w_plain == w_synth
+    for a, b in zip(plain, synth):
+        assert {k: b[k] for k in a if not k.startswith("engine_gap")} == {k: v for k, v in a.items()
+                                                                          if not k.startswith("engine_gap")}
+    rl = [r for r in synth if r["stage"] == "rl"]
+    assert all(r["engine_log_s_mean"] == 0 and r["engine_gap_tokens"] == 0 and "clip_seqs_neg_adv" in r for r in rl)
+    assert not any("engine_kl_tokens" in r for r in rl)              # no second distribution: no KL
+
+
+def test_a_synthetic_engine_changes_pi_old_and_nothing_the_rollout_draws(tmp_path):
+    """With a gap, the first rollout is the plain run's (the gap has a generator of its own), s in
+    minibatch 1 is no longer 1, and log s at theta_old sits near -K."""
+    (plain, _), (synth, w_synth), (again, w_again) = synthetic_runs(tmp_path, "0.01,0.05", "0.01,0.05")
+    first = lambda rows: next(r for r in rows if r["stage"] == "rl" and r["step"] == 1)
+    assert {k: first(synth)[k] for k in ("reward", "flat_groups", "response_tokens")} \
+        == {k: first(plain)[k] for k in ("reward", "flat_groups", "response_tokens")}
+    assert max(first(plain)["abs_log_s_q"][0]) == 0 < min(first(synth)["abs_log_s_q"][0][1:])   # |log s| at theta_old
+    assert -0.01 - 0.05 < first(synth)["engine_log_s_mean"] < -0.01 + 0.05
+    assert synth == again and w_synth == w_again                      # its own seeded stream: repeatable
+

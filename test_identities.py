@@ -1071,3 +1071,21 @@ def test_dr_grpo_advantages_are_the_centred_rewards_and_exactly_zero_for_flat_gr
     scaled = g.group_advantages(r.flatten(), G).reshape(r.shape)
     std = r.std(dim=1, keepdim=True)
     assert torch.allclose(scaled * (std + 1e-6), A, rtol=1e-12, atol=1e-15)   # the one difference
+
+
+@given(K=st.floats(0, 2e-3), sigma=st.floats(0, 0.1), n=st.integers(1, 48), seed=st.integers(0, 2 ** 64 - 1))
+def test_the_synthetic_gap_gives_log_s_of_mean_minus_k_and_variance_sigma_squared_over_n(K, sigma, n, seed):
+    """At theta = theta_old log s is the mean of a response's gaps: over 4,000 responses of n tokens
+    (and EOS-padded columns past them), its mean is -K within 5 standard errors and its variance
+    SIGMA^2 / n within 5 of its own; the global random stream is untouched and the draws repeat."""
+    B, T = 4000, n + 3
+    mask = torch.arange(T)[None, :].expand(B, T) < n                        # n tokens, then padding
+    cfg = g.Config(seed=seed, record_noise=f"{K!r},{sigma!r}")
+    state = torch.get_rng_state()
+    d = g.synthetic_gap(mask, cfg)
+    assert torch.equal(torch.get_rng_state(), state) and (d[~mask] == 0).all()
+    log_s = g.sequence_log_ratio(d, torch.zeros_like(d), mask).double()    # log s = mean_t (d_t - 0)
+    se = sigma / math.sqrt(n * B)
+    assert abs(log_s.mean().item() + K) <= 5 * se + 1e-9
+    assert log_s.var().item() == pytest.approx(sigma ** 2 / n, rel=5 * math.sqrt(2 / (B - 1)), abs=1e-12)
+    assert torch.equal(g.synthetic_gap(mask, g.Config(seed=seed, record_noise=cfg.record_noise)), d)
