@@ -19,8 +19,8 @@ import torch
 
 import gspo_minimal as g
 from conftest import TINY, pre_split, tiny_llama_for
-from studies import (common, engine, family, figures, frontier, gpu_check, lens, long, map as regimes, metrics,
-                     pretrained, pretrained_seeds, speed, trl_compare, verify)
+from studies import (common, engine, family, figures, frontier, gpu_check, lens, long, map as regimes, mechanism,
+                     metrics, pretrained, pretrained_seeds, speed, trl_compare, verify)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 EXTRAS = ("requirements-trl.txt", "requirements-pretrained.txt")
@@ -473,7 +473,7 @@ def test_an_interrupted_run_is_not_a_finished_one(tmp_path):
 
 # --- the studies as scripts: one file per study, each run as `python studies/NAME.py` ----------------
 STUDIES = ("common", "verify", "metrics", "figures", "family", "long", "pretrained", "gpu_check", "speed",
-           "trl_compare", "lens", "map", "two_process", "pretrained_seeds", "data_example")
+           "trl_compare", "lens", "map", "two_process", "pretrained_seeds", "data_example", "mechanism")
 ROOT_ON_PATH = "sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))"
 
 
@@ -589,6 +589,7 @@ BAD_COMMAND_LINES = [      # (study, argv, what the line says): each fails befor
     (trl_compare, [], "usage"), (trl_compare, ["nothing"], "no subcommand 'nothing'"),
     (trl_compare, ["bench", "many"], "usage"), (trl_compare, ["_side", "ours"], "usage"),
     (trl_compare, ["trl", "--no-such-flag"], "unrecognized"),
+    (mechanism, [], "required"), (mechanism, ["cells"], "invalid choice"),
 ]
 
 
@@ -1934,7 +1935,7 @@ def test_each_committed_figure_file_is_one_targets_own_output():
     every committed file in figures/ belongs to one target, but the kept earlier copies."""
     owners = {}
     for study in (figures, family, long, regimes, pretrained, pretrained_seeds, trl_compare, lens, engine, frontier,
-                  speed):
+                  speed, mechanism):
         for out in study.OUTPUTS:
             assert out not in owners, f"{out}: {owners.get(out)} and {study.__name__}"
             owners[out] = study.__name__
@@ -2570,3 +2571,50 @@ def test_the_committed_train_seeds_are_make_trains_run_at_three_seeds():
     for r in record["runs"]:
         assert r["command"].split()[:3] == ["gspo_minimal.py", "--seed", str(r["seed"])] and r["host"]
     assert record["wall_seconds_median"] == statistics.median(r["wall_seconds"] for r in record["runs"])
+
+
+# --- the mechanism study's calibration (studies/mechanism.py) -------------------------------------
+def test_the_ks_distance_is_the_largest_gap_between_the_two_empirical_cdfs():
+    assert mechanism.ks_distance([1.0, 2.0, 3.0], [1.0, 2.0, 3.0]) == 0
+    assert mechanism.ks_distance([1.0, 2.0], [3.0, 4.0]) == 1
+    assert mechanism.ks_distance([1.0, 2.0, 3.0, 4.0], [2.5, 5.0]) == pytest.approx(0.5)   # at 2.0: 1/2 against 0
+    assert mechanism.ks_critical(100, 100) == pytest.approx(1.358 * math.sqrt(2 / 100), rel=1e-3)
+
+
+def test_the_lag1_autocorrelation_finds_correlation_along_a_response_and_none_where_there_is_none():
+    gen = torch.Generator().manual_seed(0)
+    e = torch.randn(4000, 40, generator=gen, dtype=torch.float64)
+    ar = e.clone()
+    for t in range(1, 40):                             # d_t = 0.5 d_t-1 + e_t
+        ar[:, t] = 0.5 * ar[:, t - 1] + e[:, t]
+    mask = torch.ones_like(e, dtype=torch.bool)
+    mask[:, 30:] = False                               # pairs across the end of a response never count
+    assert abs(mechanism.lag1_autocorrelation(e, mask)["lag1"]) < 0.02
+    assert mechanism.lag1_autocorrelation(ar, mask)["lag1"] == pytest.approx(0.5, abs=0.03)
+    assert mechanism.lag1_autocorrelation(e, mask)["pairs"] == 4000 * 29
+
+
+def test_the_probability_bins_split_every_kept_token_once():
+    logp = torch.log(torch.tensor([[0.1, 0.6, 0.95, 0.999, 1.0], [0.55, 0.92, 0.995, 0.3, 0.2]], dtype=torch.float64))
+    d = torch.arange(10, dtype=torch.float64).reshape(2, 5)
+    mask = torch.tensor([[True] * 5, [True, True, True, False, False]])
+    bins = mechanism.by_probability(d, logp, mask)
+    assert [b["tokens"] for b in bins] == [1, 2, 2, 3] and sum(b["tokens"] for b in bins) == int(mask.sum())
+    assert bins[3]["mean_d"] == pytest.approx((3 + 4 + 7) / 3) and bins[0]["std_d"] is None   # p = 1 in the last
+
+
+def test_the_committed_calibration_holds_both_records_side_by_side_and_its_smollm2_lens_comes_again():
+    record = common.read_json(os.path.join(HERE, "figures", "mechanism_calibration.json"))
+    a = record["add2"]
+    assert a["seeds"] == list(mechanism.CAL_SEEDS) and a["rollouts_per_seed"] == mechanism.CAL_ROLLOUTS
+    est = a["estimators_of_k"]
+    assert est["minus_mean_d"] == a["k_hat"] and est["sigma_hat_squared_over_2"] == pytest.approx(a["sigma_hat"] ** 2 / 2)
+    assert est["sigma_hat_squared_over_2_standard_error"] < est["minus_mean_d_standard_error"]
+    compared = [r for r in a["by_length"] if "real" in r]
+    assert compared and all(set(r["real"]) == set(r["synthetic"]) == {"p1", "p10", "p50", "p90", "p99"} for r in compared)
+    for r in compared:     # the synthetic engine's spread is the lens's, sigma / sqrt(n), up to its sampling error
+        assert r["synthetic_std"] == pytest.approx(r["lens_std"], rel=6 / math.sqrt(r["responses"]))
+    assert sum(b["tokens"] for b in a["what_the_model_misses"]["by_trainer_probability"]) == a["tokens"]
+    assert record["smollm2"] == json.loads(json.dumps(mechanism.smollm2_lens()))
+    assert set(record["timing"]) == {"timing_real_bf16", "timing_synth_both"}
+    assert all(t["rl_steps"] == engine.em_steps("dense") for t in record["timing"].values())
