@@ -14,7 +14,7 @@ STAMP     := .venv/.installed
 STAMP_TRL := .venv-trl/.installed
 STAMP_PRE := .venv-pretrained/.installed
 
-.PHONY: train profile train-seeds test test-isa check test-thorough verify figures trl test-trl bench test-pretrained pretrained pretrained-seeds figures-family figures-long figures-map figures-frontier engine figures-engine gpu-check clean
+.PHONY: train profile train-seeds test test-isa check test-thorough verify figures trl test-trl bench test-pretrained pretrained pretrained-seeds figures-family figures-long figures-map figures-frontier engine figures-engine figures-mechanism gpu-check clean
 
 $(STAMP): requirements.txt
 	rm -rf .venv
@@ -109,6 +109,9 @@ engine: $(STAMP) $(STAMP_PRE)  ## the sampler-trainer gap against length, no tra
 
 figures-engine: $(STAMP)  ## what stops GSPO with a bf16 sampler's pi_old, and what restores it: ten cells on add2 and addwork under the map's rule, fixed before the runs (the widened band read from make engine's engine.json): figures/engine_map.json and engine_map.png (first phase at most 60 min, resumable; CONFIRM=1: the confirmation, at most 20 min)
 	$(PY) studies/engine.py figures$(if $(CONFIRM), --confirm,)
+
+figures-mechanism: $(STAMP)  ## why GSPO falls behind on an engine's record: bias against noise, seven cells on add2 (real bf16 and fp16 records, the synthetic engine, --record-noise, at the calibrated gap, at its bias alone, its noise alone, SmolLM2's floor), GSPO and GRPO, 5 seeds, under the map's rule fixed before the runs: figures/mechanism.json (at most 75 min, resumable; its prototype first: python studies/mechanism.py calibrate)
+	$(PY) studies/mechanism.py figures
 
 gpu-check: $(if $(NOVENV),,$(STAMP_PRE))  ## the CUDA path against the CPU, in minutes (in .venv-pretrained, for its GGUF steps); NOVENV=1 PYTHON=python3 uses the host's own packages
 	$(if $(NOVENV),$(PYTHON),$(PY_PRE)) studies/gpu_check.py

@@ -513,18 +513,17 @@ def sample_completions(model, prompt_ids, prompt_mask, max_new_tokens: int, eos_
     the record differs from the trainer's only where the two models' arithmetic does. With `top_p`
     < 1 it samples from the nucleus and records log q under it (`nucleus_logprobs`).
 
-    `group_size` G: the rows come in groups of G identical prompts (a rollout's layout), so the
-    prompt is run through the model once per group and its KV cache repeated G times.
-    `suppress_eos` forbids EOS, so every row runs to max_new_tokens (studies/verify.py uses it to get
-    long responses from a model whose answers are short). `rows` > 0 samples whole groups of at most
-    that many rows at a time, one piece after another, padded to one length: the KV cache of a
-    piece, not of the batch, is what memory holds (a different random stream from one piece).
+    `group_size` G: rows come in groups of G identical prompts (a rollout's layout), so each prompt
+    runs through the model once per group and its KV cache is repeated G times. `suppress_eos`
+    forbids EOS, so every row runs to max_new_tokens (studies/verify.py's long responses). `rows` > 0
+    samples whole groups of at most that many rows at a time, padded to one length: the KV cache of
+    a piece, not of the batch, is what memory holds (a different random stream from one piece).
 
     A hand-written loop over a DynamicCache rather than `model.generate`, so that every step of
     sampling is in view and the temperature matches `policy_logprobs` by construction. Greedy
-    output equals generate's token for token (test_hand_written_sampler_matches_generate_when_greedy);
-    results.md ("Speed and memory") times the two side by side. Rows that have stopped keep receiving
-    `pad_id`, and the loop ends when every row has stopped.
+    output equals generate's token for token (test_hand_written_sampler_matches_generate_when_greedy;
+    `python studies/speed.py sampler` times the two). Stopped rows keep receiving `pad_id`; the loop
+    ends when every row has stopped.
     """
     from transformers import DynamicCache
 
@@ -1050,12 +1049,11 @@ def group_policy_logprobs(model, prompt_ids, prompt_mask, completions, group_siz
                           temperature: float = 1.0):
     """`policy_logprobs` for rows in groups of `group_size` identical prompts, prompt run once per group.
 
-    A rollout holds every prompt G times. Here the prompt goes through the model once per group,
-    its keys and values are repeated for the group's G completions, and the completions run on top
-    of them. The same numbers as `policy_logprobs`, gradient included: autograd sums the G
-    completions' gradients back into the one prompt pass (test_group_policy_logprobs_match_...).
-    For add2 the prompts (6 tokens) are longer than the answers (2-4 with EOS): this skips nearly
-    half of the positions a pass would compute.
+    A rollout holds every prompt G times: here it goes through the model once per group, its keys
+    and values are repeated for the group's G completions, and the completions run on top of them.
+    The same numbers as `policy_logprobs`, gradient included (autograd sums the G completions'
+    gradients into the one prompt pass; test_group_policy_logprobs_match_...). On add2 the prompts
+    (6 tokens) are longer than the answers (2-4 with EOS): this skips nearly half of the positions.
     """
     from transformers import DynamicCache
 
@@ -1293,8 +1291,8 @@ def summarise_minibatches(logs: list[dict]) -> dict:
     share of clipped sequences, the `quantiles` of |log s| and of |delta_t|, and the mean of
     log(pi_old / pi_theta) over its tokens just before its update (0 for minibatch 1 with the
     trainer's pi_old). The engine gap is minibatch 1's; where pi_old's record differs from the
-    trainer (`engine_differs`), also the clip shares among responses and tokens with A > 0 and with
-    A < 0 (`clip_seqs_pos_adv`, ...); --is-correction's mean weight and share of zero weights.
+    trainer (`engine_differs`), the clip shares among responses and tokens with A > 0 and A < 0
+    (`clip_seqs_pos_adv`, ..., the responses' also per minibatch); --is-correction's mean and zero weights.
     """
     s = torch.cat([m["s"] for m in logs])                                  # (B,)
     tokens = max(sum(m["n_tokens"] for m in logs), 1)
@@ -1308,9 +1306,12 @@ def summarise_minibatches(logs: list[dict]) -> dict:
             "form_gap": max(m["form_gap"] for m in logs),
             **({"grad_norm": max(m["grad_norm"] for m in logs)} if "grad_norm" in logs[0] else {}),
             **{k: logs[0][k] for k in ENGINE_KEYS if k in logs[0]},
-            **({f"clip_{unit}_{side}_adv": sum(m[f"n_clip_{unit}_{side}"] for m in logs)
-                / max(sum(m[f"n_{unit}_{side}"] for m in logs), 1)
-                for unit in ("seqs", "tokens") for side in ("pos", "neg")} if "engine_log_s_mean" in logs[0] else {}),
+            **({**{f"clip_{unit}_{side}_adv": sum(m[f"n_clip_{unit}_{side}"] for m in logs)
+                   / max(sum(m[f"n_{unit}_{side}"] for m in logs), 1)
+                   for unit in ("seqs", "tokens") for side in ("pos", "neg")},
+                "clip_seqs_by_sign_by_minibatch": [[m[f"n_clip_seqs_{side}"] / max(m[f"n_seqs_{side}"], 1)
+                                                    for side in ("pos", "neg")] for m in logs]}
+               if "engine_log_s_mean" in logs[0] else {}),
             **({"is_weight_mean": sum(m["is_weight_sum"] for m in logs) / tokens,
                 "is_masked_tokens": sum(m["n_is_zero"] for m in logs) / tokens} if "is_weight_sum" in logs[0] else {}),
             "clip_seqs_by_minibatch": [m["n_clip_seqs"] / len(m["s"]) for m in logs],
@@ -1485,9 +1486,8 @@ def train(cfg: Config, model, tokenizer, device, run, stop) -> dict:
                 break
             t0 = time.perf_counter()
             # Rollout: G completions for each of `prompts_per_step` fresh training problems, their
-            # rewards, and the group advantages. The model as it is now is pi_old; it samples, or
-            # (--sampler-dtype bfloat16 or float16) a copy of it in that dtype does, as an inference
-            # engine would.
+            # rewards and group advantages. The model as it is now is pi_old; it samples, or a copy
+            # in bfloat16 or float16 does (--sampler-dtype), as an inference engine would.
             problems = sample_train_problems(splits, task, cfg.prompts_per_step, rng)
             sampler = sampling_model(model, cfg)
             batch = rollout(sampler, tokenizer, problems, cfg, device)

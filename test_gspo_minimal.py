@@ -1576,6 +1576,8 @@ def test_a_synthetic_engine_without_bias_or_noise_is_the_trainers_run_bit_for_bi
                                                                           if not k.startswith("engine_gap")}
     rl = [r for r in synth if r["stage"] == "rl"]
     assert all(r["engine_log_s_mean"] == 0 and r["engine_gap_tokens"] == 0 and "clip_seqs_neg_adv" in r for r in rl)
+    assert all(len(r["clip_seqs_by_sign_by_minibatch"]) == 2 and all(len(m) == 2 for m in r["clip_seqs_by_sign_by_minibatch"])
+               for r in rl)                                             # per minibatch: [A > 0, A < 0]
     assert not any("engine_kl_tokens" in r for r in rl)              # no second distribution: no KL
 
 

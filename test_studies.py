@@ -2618,3 +2618,54 @@ def test_the_committed_calibration_holds_both_records_side_by_side_and_its_smoll
     assert record["smollm2"] == json.loads(json.dumps(mechanism.smollm2_lens()))
     assert set(record["timing"]) == {"timing_real_bf16", "timing_synth_both"}
     assert all(t["rl_steps"] == engine.em_steps("dense") for t in record["timing"].values())
+
+
+# --- make figures-mechanism: bias against noise (studies/mechanism.py) ---------------------------
+def test_the_mechanism_design_holds_its_seven_cells_the_rule_and_the_chance_of_a_call():
+    d = mechanism.mech_design()
+    cal = common.read_json(os.path.join(HERE, "figures", "mechanism_calibration.json"))
+    assert list(d["cells"]) == ["real_bf16", "real_fp16", "synth_both", "synth_noise", "synth_bias",
+                                "synth_bias_large", "synth_both_large"]
+    k, sigma = cal["add2"]["k_hat"], cal["add2"]["sigma_hat"]
+    noise_of = {c: v["flags"][v["flags"].index("--record-noise") + 1] for c, v in d["cells"].items()
+                if "--record-noise" in v["flags"]}
+    assert noise_of["synth_both"] == f"{k:.6g},{sigma:.6g}" and noise_of["synth_noise"] == f"0,{sigma:.6g}"
+    assert noise_of["synth_bias"] == f"{k:.6g},0" and noise_of["synth_bias_large"].startswith("0.00122191,")
+    assert d["seeds"] == [0, 1, 2, 3, 4] and all(c["decided_by"] == "gspo - grpo" for c in d["cells"].values())
+    p = d["null_probabilities"]
+    assert p["same_sign_5_of_5_per_cell"] == 1 / 16 and p["at_least_one_of_these_cells"] == pytest.approx(1 - (15 / 16) ** 7)
+    assert p["at_least_one_with_the_remedy_cells"] == pytest.approx(1 - (15 / 16) ** 13)
+    assert mechanism.mech_projection(d, cal)["fits"] and mechanism.mech_projection(d, cal)["runs"] == 7 * 3 * 5
+    parser = g.build_parser()
+    for job in mechanism.mech_jobs(d, d["cells"], d["seeds"]) + mechanism.mech_jobs(d, ["real_bf16"], [0], noise=True):
+        cfg = parser.parse_args(job["cmd"][2:])
+        g.validate(g.Config(**{**vars(cfg), "model": ""}))            # valid flags (the checkpoint comes later)
+        assert cfg.warmup_max_steps == 0 and job["needs"].startswith(os.path.dirname(cfg.model))
+        assert cfg.steps == engine.em_steps("dense") and cfg.threads == 1
+
+
+def test_the_committed_mechanism_design_is_the_one_the_code_fixes():
+    record = common.read_json(os.path.join(HERE, "figures", "mechanism.json"))
+    assert record["design"] == json.loads(json.dumps(mechanism.mech_design()))
+    if not record["runs"]:                                           # written before any run, as the rule asks
+        assert record["cells"] == {} and record["projection"]["fits"] and not record["dirty"]
+
+
+def test_the_by_sign_shares_read_minibatch_one_apart_from_the_later_ones():
+    rl = [{"clip_seqs_by_sign_by_minibatch": [[0.1, 0.5], [0.2, 0.0], [0.4, 0.2]]},
+          {"clip_seqs_by_sign_by_minibatch": [[0.3, 0.7], [0.0, 0.0], [0.2, 0.4]]}]
+    out = mechanism.by_sign(rl)
+    assert out["clip_seqs_pos_adv_minibatch_1"] == pytest.approx(0.2) and out["clip_seqs_neg_adv_minibatch_1"] == pytest.approx(0.6)
+    assert out["clip_seqs_pos_adv_later"] == pytest.approx(0.2) and out["clip_seqs_neg_adv_later"] == pytest.approx(0.15)
+    assert mechanism.by_sign([{"clip_seqs": 0.1}]) == {}
+
+
+def test_the_mechanism_cells_are_decided_by_the_maps_rule_on_five_seeds():
+    acc = {"a": {"gspo": {s: 0.5 for s in range(5)}, "grpo": {s: 0.6 + 0.01 * s for s in range(5)},
+                 "noise": {s: 0.5 + (0.05 if s == 2 else 0) for s in range(5)}},
+           "b": {"gspo": {s: 0.5 for s in range(5)}, "grpo": {s: 0.5 + (0.1 if s < 4 else -0.1) for s in range(5)},
+                 "noise": {}}}
+    v = mechanism.mech_verdicts(acc)
+    assert v["a"]["separates"] and v["a"]["noise"] == pytest.approx(0.05) and v["a"]["median_difference"] == pytest.approx(-0.12)
+    assert not v["b"]["separates"] and v["b"]["common_sign"] == 0          # one seed of five the other way
+    assert v["b"]["noise_from"] == "the largest measured for add2"

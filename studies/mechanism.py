@@ -3,6 +3,10 @@
     python studies/mechanism.py calibrate    # the prototype: the synthetic engine (--record-noise
                                              # K,SIGMA) against the real bf16 record, and one timed run
                                              # per arm: figures/mechanism_calibration.json (about 6 min)
+    python studies/mechanism.py design       # bias against noise: the cells, the rule and the
+                                             # projection into figures/mechanism.json, before any run
+    python studies/mechanism.py figures      # make figures-mechanism: the cells' runs (resumable,
+                                             # two at a time), then their verdicts (about 30 min)
 
 At theta = theta_old an engine's record hands GSPO log s = mean_t d_t, d_t = log pi_old(y_t) - log
 record(y_t), whose mean over a response of n tokens is -K (the per-token KL floor: a bias that
@@ -25,6 +29,14 @@ it against the real thing:
   * the two estimators of K the calibrated band will need, -mean(d) and SIGMA-hat^2 / 2, with
     their standard errors;
   * one timed training run of each kind the cells will run, for the budget of the measured target.
+
+Then the cells (make figures-mechanism), fixed before their runs: on add2 from make figures-map's
+dense warm-ups of seeds 0-4, GSPO and GRPO paired by warm-up and RL seed in each of seven cells,
+pi_old from a real engine's record (bf16, fp16) or from the synthetic engine at the calibrated K-hat
+and SIGMA-hat, at each alone (bias without noise, noise without bias), and at SmolLM2's floor; each
+decided by the map's rule on five seeds. If the bias is the cause, synth_bias separates and
+synth_noise does not; if the noise is, the other way round; real_fp16 (almost no bias) separating
+would say the same as synth_noise.
 """
 from __future__ import annotations
 
@@ -40,9 +52,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import torch  # noqa: E402
 
 import gspo_minimal as g  # noqa: E402
-from studies.common import Parser, cli, read_json, run_jobs, script_job, write_json  # noqa: E402
+from studies.common import (Ledger, Parser, cli, fail, kept_design, paired_differences, read_json,  # noqa: E402
+                            run_jobs, script_job, write_json)
 
-OUTPUTS = ("figures/mechanism_calibration.json",)
+OUTPUTS = ("figures/mechanism_calibration.json", "figures/mechanism.json")
 CAL_JSON = "figures/mechanism_calibration.json"
 CAL_RUNS = "runs/mechanism"
 CAL_SEEDS = (0, 1, 2)
@@ -239,20 +252,228 @@ def calibrate() -> dict:
             "seconds_total": time.perf_counter() - t0}
 
 
+# ---------------------------------------------------------------------------------------------
+# make figures-mechanism: bias against noise on add2, seven cells under the map's rule on five seeds.
+# ---------------------------------------------------------------------------------------------
+MECH_JSON = "figures/mechanism.json"
+MECH_RUNS = CAL_RUNS
+MECH_SEEDS = (0, 1, 2, 3, 4)
+MECH_NOISE_OFFSET = 100                 # GSPO's second RL stream: --seed s + 100 from the same warm-up
+MECH_BUDGET_SECONDS = 75 * 60
+PROJECTION_MARGIN = 0.9                 # the projection must fit 90% of the budget
+MECH_NOISE_FIRST = ("real_bf16",)       # its noise measured up front, the others' where their signs agree
+# the remedy's cells (the calibrated band, the widened band, TRL's route, two controls), counted in
+# the family's chance probability: they run under a target of their own, designed with their code
+REMEDY_CELLS = ("real_bf16_calibrated", "real_bf16_wide", "synth_both_large_calibrated", "trl_route",
+                "control_recentre", "control_widen")
+MECH_RULE = ("metric: accuracy_after_rl (test set). Each cell pairs its GSPO and GRPO runs of a seed (the same "
+             "warm-up and RL seed): difference = GSPO - GRPO. A cell's noise is the largest |GSPO(s) - GSPO(s, "
+             "second RL stream)| over its seeds (--seed s + 100 from the same warm-up), measured up front in "
+             "real_bf16 and then in every cell whose five differences share a sign; a cell without its own uses "
+             "the largest measured. A cell separates when all five differences have the same sign (a zero breaks "
+             "it) and |median| exceeds its noise. No confirmation phase: five seeds from the start.")
+BY_SIGN = ("clip_seqs_by_sign_by_minibatch: per minibatch, the share of GSPO's responses with A > 0 and with "
+           "A < 0 whose s was clipped on its active side; a run's record keeps minibatch 1's mean over steps "
+           "and the later minibatches' (their mean over steps and minibatches)")
+
+
+def mech_cells(cal: dict, eng: dict) -> dict:
+    """name -> the script's flags: the real engines' records and the synthetic engine at the values the
+    prototype read (add2's K-hat and SIGMA-hat) or make engine measured (SmolLM2's floor and sigma)."""
+    from studies import engine
+    k, sigma = cal["add2"]["k_hat"], cal["add2"]["sigma_hat"]
+    big_k, big_sigma = eng["models"]["smollm2"]["bfloat16"]["kl_floor"], math.sqrt(eng["models"]["smollm2"]["bfloat16"]["sigma2"])
+    noise = lambda a, b: ["--record-noise", f"{a:.6g},{b:.6g}"]
+    return {"real_bf16": engine.BF16 + engine.FROM_SAMPLER, "real_fp16": engine.FP16 + engine.FROM_SAMPLER,
+            "synth_both": noise(k, sigma), "synth_noise": noise(0, sigma), "synth_bias": noise(k, 0),
+            "synth_bias_large": noise(big_k, 0), "synth_both_large": noise(big_k, big_sigma)}
+
+
+def mech_design(cal_json: str = CAL_JSON, engine_json: str = "figures/engine.json") -> dict:
+    """Everything the measured run is held to, written into mechanism.json before it starts."""
+    from studies import engine
+    for path in (cal_json, engine_json):
+        if not os.path.exists(path):
+            fail(f"make figures-mechanism reads {path}: run `python studies/mechanism.py calibrate` "
+                 "(and `make engine`) first")
+    cal, eng = read_json(cal_json), read_json(engine_json)
+    n2, n3 = len(mech_cells(cal, eng)), len(REMEDY_CELLS)
+    return {"cells": {name: {"task": "add2", "flags": flags, "losses": ["gspo", "grpo"], "steps": engine.em_steps("dense"),
+                             "decided_by": "gspo - grpo"} for name, flags in mech_cells(cal, eng).items()},
+            "seeds": list(MECH_SEEDS), "noise_rl_seed_offset": MECH_NOISE_OFFSET,
+            "noise_measured_first_in": list(MECH_NOISE_FIRST),
+            "values_read": {"k_hat": cal["add2"]["k_hat"], "sigma_hat": cal["add2"]["sigma_hat"],
+                            "from": f"{cal_json}: add2.k_hat, add2.sigma_hat (the bf16 record at the warm-ups, "
+                                    f"measured at {cal.get('measured_at_commit')})",
+                            "smollm2_k": eng["models"]["smollm2"]["bfloat16"]["kl_floor"],
+                            "smollm2_sigma": math.sqrt(eng["models"]["smollm2"]["bfloat16"]["sigma2"]),
+                            "smollm2_from": f"{engine_json}: models.smollm2.bfloat16.kl_floor and sqrt(sigma2)"},
+            "warmups": "make figures-map's dense warm-ups (runs/map/warmup_dense_s<seed>: python studies/map.py "
+                       "_warmup dense SEED), made where missing",
+            "decision_rule": MECH_RULE, "by_sign_metric": BY_SIGN,
+            "null_probabilities": {"same_sign_5_of_5_per_cell": 1 / 16,
+                                   "at_least_one_of_these_cells": 1 - (15 / 16) ** n2,
+                                   "at_least_one_with_the_remedy_cells": 1 - (15 / 16) ** (n2 + n3),
+                                   "remedy_cells": list(REMEDY_CELLS),
+                                   "note": "the chance that five seeds share a sign when neither objective is "
+                                           "ahead; the rule also asks |median| > noise, so these bound the chance "
+                                           "of a call from above"},
+            "analysis": "mechanism.mech_verdicts (the map's verdicts on five seeds) and mechanism.mech_record",
+            "budget_seconds": MECH_BUDGET_SECONDS, "workers": 2, "threads_per_run": 1}
+
+
+def mech_projection(design: dict, cal: dict) -> dict:
+    """The target's seconds from the prototype's timed runs (each alone, one thread), two at a time:
+    every cell's GSPO and GRPO runs, every cell's second RL streams (the most the rule can ask for),
+    and the warm-ups of the seeds the prototype did not make (about 60 s each)."""
+    t = {k: v["wall_seconds"] for k, v in cal["timing"].items()}
+    per_run = {c: t["timing_real_bf16"] if "--sampler-dtype" in d["flags"] else t["timing_synth_both"]
+               for c, d in design["cells"].items()}
+    runs = sum(per_run[c] * (len(d["losses"]) + 1) * len(design["seeds"]) for c, d in design["cells"].items())
+    warm = 60.0 * len(set(design["seeds"]) - set(CAL_SEEDS))
+    seconds = (runs + warm) / design["workers"]
+    return {"seconds": seconds, "fits": seconds <= PROJECTION_MARGIN * design["budget_seconds"],
+            "runs": sum((len(d["losses"]) + 1) * len(design["seeds"]) for d in design["cells"].values()),
+            "from": "figures/mechanism_calibration.json: timing (one run of each kind, alone)"}
+
+
+def mech_write_design() -> dict:
+    """mechanism.json before any run: the design and its projection; one holding runs made under
+    another design is never overwritten."""
+    d = mech_design()
+    kept = kept_design(MECH_JSON, d)
+    if kept is not None:
+        return kept
+    proj = mech_projection(d, read_json(CAL_JSON))
+    if not proj["fits"]:
+        fail(f"the projected {proj['seconds'] / 60:.0f} min do not fit {PROJECTION_MARGIN:.0%} of the budget")
+    record = {"figures_mechanism_seconds": 0.0, "design": d, "projection": proj, "runs": [], "cells": {}}
+    write_json(MECH_JSON, record, "python studies/mechanism.py design", 0.0)
+    return record
+
+
+def mech_run_name(cell: str, loss: str, seed: int, rl_seed: int | None = None) -> str:
+    return f"{cell}_{loss}_s{seed}" + ("" if rl_seed in (None, seed) else f"_rl{rl_seed}")
+
+
+def mech_jobs(design: dict, cells, seeds, noise: bool = False) -> list[dict]:
+    """Each cell's GSPO and GRPO runs of `seeds` (with `noise`, GSPO's second RL streams), each
+    waiting for its warm-up."""
+    from studies import map as regimes
+    jobs = []
+    for cell in cells:
+        c = design["cells"][cell]
+        for seed in seeds:
+            warm = regimes.warmup_job("dense", seed)
+            ckpt = os.path.join(os.path.dirname(warm["done"]), "checkpoint")
+            todo = [("gspo", seed + MECH_NOISE_OFFSET)] if noise else [(loss, seed) for loss in c["losses"]]
+            for loss, rl_seed in todo:
+                args = ["--model", ckpt, "--warmup-max-steps", "0", "--seed", str(rl_seed), "--loss", loss, *c["flags"]]
+                jobs.append(script_job(mech_run_name(cell, loss, seed, rl_seed), args, MECH_RUNS, c["steps"],
+                                       needs=warm["done"]))
+    return jobs
+
+
+def by_sign(rl: list[dict]) -> dict:
+    """A run's clip shares by the sign of A: minibatch 1's mean over steps, the later minibatches'."""
+    rows = [r["clip_seqs_by_sign_by_minibatch"] for r in rl if "clip_seqs_by_sign_by_minibatch" in r]
+    if not rows:
+        return {}
+    first = [r[0] for r in rows]
+    later = [m for r in rows for m in r[1:]]
+    mean = lambda xs, i: statistics.fmean(x[i] for x in xs) if xs else None
+    return {"clip_seqs_pos_adv_minibatch_1": mean(first, 0), "clip_seqs_neg_adv_minibatch_1": mean(first, 1),
+            "clip_seqs_pos_adv_later": mean(later, 0), "clip_seqs_neg_adv_later": mean(later, 1)}
+
+
+def mech_record(name: str, cell: str, seed: int, rl_seed: int) -> dict:
+    from studies import map as regimes
+    rec, rl = regimes.run_basics(name, MECH_RUNS, regimes.warm_path("dense", seed))
+    rec.update({"cell": cell, "seed": seed, "rl_seed": rl_seed, **by_sign(rl),
+                **{k: statistics.fmean(r[k] for r in rl) for k in ("engine_log_s_mean", "engine_kl_tokens",
+                                                                    "engine_gap_seqs") if k in rl[0]}})
+    return rec
+
+
+def mech_collect(design: dict) -> tuple[list[dict], dict]:
+    records, acc = [], {}
+    for cell in design["cells"]:
+        a = {"gspo": {}, "grpo": {}, "noise": {}}
+        for seed in design["seeds"]:
+            for loss, rl_seed, slot in (("gspo", seed, "gspo"), ("grpo", seed, "grpo"),
+                                        ("gspo", seed + MECH_NOISE_OFFSET, "noise")):
+                name = mech_run_name(cell, loss, seed, rl_seed)
+                if os.path.exists(os.path.join(MECH_RUNS, name, "summary.json")):
+                    records.append(mech_record(name, cell, seed, rl_seed))
+                    a[slot][seed] = records[-1]["accuracy_after_rl"]
+        acc[cell] = a
+    return records, acc
+
+
+def mech_verdicts(acc: dict, seeds=MECH_SEEDS) -> dict:
+    """The map's rule (studies/map.py's `verdicts`) on five seeds, one task: GSPO - GRPO per cell."""
+    from studies import map as regimes
+    out = regimes.verdicts(acc, {cell: "add2" for cell in acc}, seeds)
+    for cell, v in out.items():
+        v["decided_by"] = "gspo - grpo"
+        v["gspo_minus_grpo_by_seed"] = dict(zip(seeds, paired_differences(acc[cell]["gspo"], acc[cell]["grpo"], seeds)))
+    return out
+
+
+def figures_mechanism() -> dict:
+    """The warm-ups, every cell's runs and real_bf16's second streams; then the second streams of
+    every cell whose signs agree; then the verdicts. Resumable: finished runs are kept."""
+    from studies import map as regimes
+    record = mech_write_design()
+    d = record["design"]
+    ledger = Ledger(os.path.join(MECH_RUNS, "figures_seconds.json"))
+    try:
+        warm = [regimes.warmup_job("dense", s) for s in MECH_SEEDS]
+        run_jobs(warm + mech_jobs(d, d["cells"], MECH_SEEDS) + mech_jobs(d, MECH_NOISE_FIRST, MECH_SEEDS, noise=True),
+                 MECH_RUNS)
+        _, acc = mech_collect(d)
+        agree = [c for c, v in mech_verdicts(acc).items() if v["common_sign"] and c not in MECH_NOISE_FIRST]
+        run_jobs(mech_jobs(d, agree, MECH_SEEDS, noise=True), MECH_RUNS)
+    finally:
+        ledger.close()
+    record["runs"], acc = mech_collect(d)
+    record["cells"] = mech_verdicts(acc)
+    for cell, v in record["cells"].items():
+        mine = [r for r in record["runs"] if r["cell"] == cell and r["rl_seed"] == r["seed"]]
+        v["collapses"] = {loss: sum(r["collapsed"] for r in mine if r["loss"] == loss) for loss in ("gspo", "grpo")}
+    record["figures_mechanism_seconds"] = ledger.total()
+    return record
+
+
 @cli
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = Parser(description=__doc__.splitlines()[0])
-    parser.add_argument("what", choices=["calibrate"])
-    parser.parse_args(argv)
+    parser.add_argument("what", choices=["calibrate", "design", "figures"])
+    what = parser.parse_args(argv).what
     from transformers.utils import logging as hf_logging
     hf_logging.disable_progress_bar()
+    if what == "design":
+        record = mech_write_design()
+        print(f"{MECH_JSON}: {len(record['design']['cells'])} cells, projected "
+              f"{record.get('projection', {}).get('seconds', 0) / 60:.0f} min of {MECH_BUDGET_SECONDS // 60}")
+        return 0
+    if what == "figures":
+        record = figures_mechanism()
+        write_json(MECH_JSON, record, "python studies/mechanism.py figures", record["figures_mechanism_seconds"])
+        for cell, v in record["cells"].items():
+            diffs = ", ".join(f"{x:+.3f}" for x in v["gspo_minus_grpo_by_seed"].values())
+            print(f"{cell:18s} GSPO - GRPO {diffs} | median {v['median_difference']:+.3f}, noise {v['noise']} | "
+                  f"{'separates' if v['separates'] else 'does not separate'}")
+        print(MECH_JSON)
+        return 0
     res = calibrate()
     write_json(CAL_JSON, res, "python studies/mechanism.py calibrate", res.pop("seconds_total"))
     a = res["add2"]
-    print(f"add2, bf16 record, {a['tokens']} tokens: K-hat {a['k_hat']:.3g} (+- {a['estimators_of_k']['minus_mean_d_standard_error']:.2g}), "
-          f"SIGMA-hat {a['sigma_hat']:.3g}, SIGMA-hat^2/2 {a['estimators_of_k']['sigma_hat_squared_over_2']:.3g}, "
-          f"exact KL {a['estimators_of_k']['exact_kl_per_token_mean']:.3g}")
+    est = a["estimators_of_k"]
+    print(f"add2, bf16 record, {a['tokens']} tokens: K-hat {a['k_hat']:.3g} (+- {est['minus_mean_d_standard_error']:.2g}), "
+          f"SIGMA-hat {a['sigma_hat']:.3g}, SIGMA-hat^2/2 {est['sigma_hat_squared_over_2']:.3g}, "
+          f"exact KL {est['exact_kl_per_token_mean']:.3g}")
     print(f"log s pooled: KS distance {a['pooled']['ks_distance']:.3f} (5% critical {a['pooled']['ks_critical_05']:.3f})")
     for r in a["by_length"]:
         if "real" in r:

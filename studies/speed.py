@@ -192,7 +192,8 @@ def profile_cycle() -> dict:
                                      "this host's float32 matmul rate at 1024x1024x1024 and the same threads: what "
                                      "the cycle would take if every FLOP ran at the rate of one large matmul",
                 "levers": "the update's pass (forward and backward) on one minibatch of the next cycle's rollout, "
-                          "median of 17 after 3 discarded, under: the script's group_policy_logprobs (script), "
+                          "median of 17 after 3 discarded, the ways interleaved round by round, under: the "
+                          "script's group_policy_logprobs (script), "
                           "the same with eager attention in place of SDPA, one packed sequence per group "
                           "(prefix_packed: padding and positions after EOS never computed), one full pass per row "
                           "(policy_logprobs), and that pass through torch.compile (dynamic shapes; "
@@ -259,20 +260,20 @@ def levers(model, tok, batch: dict, cfg: g.Config, repeats: int = 20) -> dict:
             "one_pass_per_row": lambda: g.policy_logprobs(model, *args),
             "one_pass_per_row_compiled": lambda: g.policy_logprobs(compiled, *args)}
     reference = ways["script"]().detach()
-    out = {}
+    out, times = {}, {name: [] for name in ways}
     for name, way in ways.items():
         t = time.perf_counter()
         lp = way()                                                   # the first call compiles, if any
-        first = time.perf_counter() - t
-        times = []
-        for _ in range(repeats):
+        out[name] = {"first_call_seconds": time.perf_counter() - t,
+                     "max_abs_logprob_difference": (lp.detach() - reference)[keep].abs().max().item()}
+    for _ in range(repeats):                       # round after round, every way in each: drift hits all alike
+        for name, way in ways.items():
             model.zero_grad(set_to_none=True), eager.zero_grad(set_to_none=True)
             t = time.perf_counter()
-            lp = way()
-            lp[keep].sum().backward()
-            times.append(time.perf_counter() - t)
-        out[name] = {"seconds": statistics.median(times[3:]), "first_call_seconds": first,
-                     "max_abs_logprob_difference": (lp.detach() - reference)[keep].abs().max().item()}
+            way()[keep].sum().backward()
+            times[name].append(time.perf_counter() - t)
+    for name in ways:
+        out[name]["seconds"] = statistics.median(times[name][3:])
     model.zero_grad(set_to_none=True)
     for name in out:
         out[name]["against_script"] = out[name]["seconds"] / out["script"]["seconds"]
