@@ -815,21 +815,30 @@ def geo_jobs(design: dict) -> list[dict]:
 
 
 @torch.no_grad()
+def warmup_rollouts(seed: int, rollouts: int):
+    """`rollouts` rollouts at make train's settings from the dense warm-up of `seed` (theta_old),
+    each sampled by a fresh bf16 copy, the random streams seeded by `seed`: yields (model, cfg,
+    sampler, batch) for each, as a run's first step sees them."""
+    from studies import map as regimes
+    cfg = g.parse_config(regimes.MODELS["dense"]["task"] + ["--sampler-dtype", "bfloat16", "--seed", str(seed)])
+    model, tok = g.load_pretrained(os.path.join(regimes.warm_path("dense", seed), "checkpoint"))
+    torch.manual_seed(seed)
+    rng = random.Random(seed)
+    task = g.task_of(cfg)
+    splits = g.make_splits(task, cfg.test_size, cfg.val_size)
+    for _ in range(rollouts):
+        sampler = g.sampling_model(model, cfg)
+        yield model, cfg, sampler, g.rollout(sampler, tok, g.sample_train_problems(splits, task, cfg.prompts_per_step, rng),
+                                             cfg, "cpu")
+
+
+@torch.no_grad()
 def geo_kept_shares(seeds, rollouts: int = GEO_ROLLOUTS) -> dict:
     """The share of responses the preset keeps, overall and by the sign of the advantage, over
     `rollouts` rollouts from each seed's warm-up (as the runs' first step sees them)."""
-    from studies import map as regimes
     rows = []
     for seed in seeds:
-        cfg = g.parse_config(regimes.MODELS["dense"]["task"] + ["--sampler-dtype", "bfloat16", "--seed", str(seed)])
-        model, tok = g.load_pretrained(os.path.join(regimes.warm_path("dense", seed), "checkpoint"))
-        torch.manual_seed(seed)
-        rng = random.Random(seed)
-        task = g.task_of(cfg)
-        splits = g.make_splits(task, cfg.test_size, cfg.val_size)
-        for _ in range(rollouts):
-            b = g.rollout(g.sampling_model(model, cfg), tok, g.sample_train_problems(splits, task, cfg.prompts_per_step, rng),
-                          cfg, "cpu")
+        for model, _, _, b in warmup_rollouts(seed, rollouts):
             old = g.policy_logprobs(model, b["prompt_ids"], b["prompt_mask"], b["completions"])
             mask = b["mask"] != 0
             w = g.correction_weight(old, b["sampler_logprobs"], mask, "sequence_geometric_mask", *GEO_PRESET)

@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import math
 import os
-import random
 import statistics
 import sys
 import time
@@ -120,17 +119,9 @@ def real_gaps(seed: int, rollouts: int = CAL_ROLLOUTS) -> dict:
     """From the dense warm-up of `seed` (theta_old), `rollouts` rollouts at make train's settings
     sampled by the bf16 copy; the trainer's pass over each (group_policy_logprobs, as the update's
     pre-update pass) and the per-token gap d = trainer - record, (rows, T) with its mask."""
-    from studies import map as regimes
-    cfg = g.parse_config(regimes.MODELS["dense"]["task"] + ["--sampler-dtype", "bfloat16", "--seed", str(seed)])
-    model, tok = g.load_pretrained(os.path.join(regimes.warm_path("dense", seed), "checkpoint"))
-    torch.manual_seed(seed)
-    rng = random.Random(seed)
-    task = g.task_of(cfg)
-    splits = g.make_splits(task, cfg.test_size, cfg.val_size)
+    from studies.engine import warmup_rollouts
     ds, masks, logps, kls = [], [], [], []
-    for _ in range(rollouts):
-        sampler = g.sampling_model(model, cfg)
-        b = g.rollout(sampler, tok, g.sample_train_problems(splits, task, cfg.prompts_per_step, rng), cfg, "cpu")
+    for model, cfg, sampler, b in warmup_rollouts(seed, rollouts):
         kls.append(g.engine_kl_tokens(sampler, model, b, cfg))
         lp = g.group_policy_logprobs(model, b["prompt_ids"], b["prompt_mask"], b["completions"], cfg.group_size)
         T = cfg.max_new_tokens                                       # a common width across rollouts
