@@ -2549,6 +2549,23 @@ def test_the_packed_lever_gives_the_scripts_log_probs_at_every_kept_position():
     assert torch.allclose(packed[keep], ref[keep], atol=2e-5) and (packed[~keep] == 0).all()
 
 
+def test_the_packed_lever_is_wrong_under_eager_attention_which_adds_a_boolean_mask_as_a_number():
+    """Why the packed pass is not kept: its block mask is boolean, "may attend", which SDPA reads as
+    such; transformers' eager attention adds a 4-D mask to the scores as it is, so masked keys stay
+    visible and the log-probs come out wrong, without an error."""
+    import copy as copying
+    from transformers import AutoModelForCausalLM
+    model, tok, cfg, batch = tiny_rollout(1)
+    eager = AutoModelForCausalLM.from_config(copying.deepcopy(model.config), attn_implementation="eager")
+    eager.load_state_dict(model.state_dict())
+    args = [batch[k] for k in ("prompt_ids", "prompt_mask", "completions")]
+    keep = batch["mask"] != 0
+    right = g.group_policy_logprobs(eager, *args, cfg.group_size)        # eager attention, 2-D padding mask
+    assert torch.allclose(right[keep], g.group_policy_logprobs(model, *args, cfg.group_size)[keep], atol=2e-5)
+    packed = speed.prefix_packed_logprobs(eager, *args, batch["mask"], cfg.group_size)
+    assert (packed[keep] - right[keep]).abs().max() > 1e-2
+
+
 def test_the_committed_profile_holds_its_parts_and_the_bare_gemm_time_of_its_flops():
     with open(os.path.join(HERE, "figures", "profile.json")) as f:
         record = json.load(f)
