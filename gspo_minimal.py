@@ -117,11 +117,10 @@ class Config:
     """optimiser steps per rollout; every one after the first is off-policy"""
     micro_batch: int | None = None
     """rows per forward and backward pass inside a minibatch, their gradients added up before its one
-    optimiser step: the same update at the memory of this many rows, a little slower. A multiple of
-    --group-size keeps each prompt run once per group; 0: the whole minibatch in one pass. Default:
-    0 for a model under 20M parameters (the built-in ones), else about 1024 completion tokens per
-    pass (1024 // --max-new-tokens rows, at least 1). With a micro-batch, rollouts are sampled whole
-    groups at a time, at most 4096 // --max-new-tokens rows, so the KV cache stays bounded too"""
+    optimiser step: the same update at the memory of this many rows, a little slower (a multiple of
+    --group-size keeps each prompt run once per group; 0: one pass). Default: 0 under 20M parameters
+    (the built-in models), else 1024 // --max-new-tokens rows, at least 1. With a micro-batch,
+    rollouts are sampled at most 4096 // --max-new-tokens rows (whole groups) at a time"""
     gradient_checkpointing: bool = False
     """recompute each layer's activations during the backward pass instead of keeping them (Hugging
     Face models): less memory for more time; the update then runs one full pass per row"""
@@ -153,9 +152,8 @@ class Config:
     on-policy"""
     sampler_dtype: str = "float32"
     """precision of the model that samples the rollouts: float32 (the trainer's own model), bfloat16
-    or float16 (a copy of it in that dtype, weights and activations, made before each rollout, as an
-    inference engine such as vLLM holds weights of its own; on CUDA it needs support for the dtype,
-    on a CPU without bf16 or fp16 instructions it runs, slowly)"""
+    or float16 (a copy in that dtype made before each rollout, as an inference engine such as vLLM
+    holds weights of its own; CUDA needs support for the dtype, a CPU without it runs it slowly)"""
     top_p: float = 1.0
     """nucleus sampling: sample from the smallest set of most likely tokens whose probability
     reaches top_p, renormalised (1.0: off). The sampler's record is then the log-prob under that
@@ -167,14 +165,16 @@ class Config:
     record_noise: str = ""
     """synthetic engine, "K,SIGMA": pi_old is the trainer's own pass shifted by a gap d_t ~ N(-K, SIGMA^2)
     per token, as if an engine had recorded it (float32 sampler, --old-logprobs trainer; `synthetic_gap`)"""
+    eps_engine: float | None = None
+    """calibrated band, Z: GSPO's band on log s moved by the record's bias -K and widened by Z SIGMA /
+    sqrt(|y|), K and SIGMA estimated from minibatch 1's gaps of the earlier steps (`calibrated_band`)"""
     is_correction: str = "none"
-    """correct the sampler-trainer mismatch with a detached weight on each token's loss term, from
-    the trainer's pi_old against the sampler's record (TRL 1.16's vllm_importance_sampling_mode of
-    the same name): token_truncate, token_mask (each token's ratio), sequence_truncate,
-    sequence_mask (the response's probability ratio, a product), or sequence_geometric_mask (verl's
-    geometric rejection: a response is dropped when its per-token mean ratio leaves [clip_min,
-    clip_max]). Needs --sampler-dtype other than float32 and --old-logprobs trainer; gspo,
-    gspo-token and grpo only"""
+    """correct the sampler-trainer mismatch with a detached weight on each token's loss term, the
+    trainer's pi_old against the sampler's record (TRL 1.16's vllm_importance_sampling_mode of the
+    same name): token_truncate, token_mask (each token's ratio), sequence_truncate, sequence_mask
+    (the response's ratio, a product), or sequence_geometric_mask (verl's: a response is dropped when
+    its per-token mean ratio leaves [clip_min, clip_max]). Needs a bf16 or fp16 sampler and
+    --old-logprobs trainer; gspo, gspo-token and grpo only"""
     is_clip_max: float | None = None
     """upper bound of --is-correction's weight: *_truncate clamps to it, *_mask drops above it;
     default 3.0 (TRL's), 1.001 for sequence_geometric_mask (verl's preset)"""
@@ -1280,9 +1280,6 @@ def group_chunks(n_rows: int, group_size: int, minibatches: int, device) -> list
             for grp in groups]
 
 
-ENGINE_KEYS = ("engine_gap_tokens", "engine_gap_seqs", "engine_log_s_mean", "engine_kl_tokens")
-
-
 def summarise_minibatches(logs: list[dict]) -> dict:
     """One step's metrics from its minibatches' `ratio_metrics` (each with "loss", "n_clip_ceiling").
 
@@ -1305,7 +1302,7 @@ def summarise_minibatches(logs: list[dict]) -> dict:
             "masked_seqs": sum(m.get("n_masked_seqs", 0) for m in logs) / len(s),
             "form_gap": max(m["form_gap"] for m in logs),
             **({"grad_norm": max(m["grad_norm"] for m in logs)} if "grad_norm" in logs[0] else {}),
-            **{k: logs[0][k] for k in ENGINE_KEYS if k in logs[0]},
+            **{k: v for k, v in logs[0].items() if k.startswith("engine_")},
             **({**{f"clip_{unit}_{side}_adv": sum(m[f"n_clip_{unit}_{side}"] for m in logs)
                    / max(sum(m[f"n_{unit}_{side}"] for m in logs), 1)
                    for unit in ("seqs", "tokens") for side in ("pos", "neg")},
@@ -1364,6 +1361,8 @@ def rl_update(model, opt, batch: dict, cfg: Config, eps_low: float, eps_high: fl
         return policy_logprobs(model, *args, temperature=cfg.temperature)
     record = batch.get("sampler_logprobs")   # (B, T); None in a batch not made by `rollout`
     shift = batch.get("record_gap")           # (B, T): the synthetic engine's d_t (--record-noise), or None
+    eps_low, eps_high = calibrated_band(batch["mask"], cfg, eps_low, eps_high)   # (B,) each with --eps-engine
+    band = lambda rows: [e[rows] if torch.is_tensor(e) else e for e in (eps_low, eps_high)]
     if from_sampler and record is None:
         raise ValueError("--old-logprobs sampler needs the rollout's sampler_logprobs")
     old = record                              # pi_old: the sampler's record, or the trainer's pass
@@ -1392,7 +1391,7 @@ def rl_update(model, opt, batch: dict, cfg: Config, eps_low: float, eps_high: fl
             if cfg.is_correction != "none":     # y came from the sampler: weigh it towards pi_old
                 weight = correction_weight(logp_old, record[part], mask, cfg.is_correction, *is_bounds(cfg))
                 corrected.append(((weight * mask).sum().item(), ((weight == 0) & mask).sum().item()))
-            piece = loss_value(cfg.loss, logp_new, logp_old, adv, mask, eps_low, eps_high, num_tokens,
+            piece = loss_value(cfg.loss, logp_new, logp_old, adv, mask, *band(part), num_tokens,
                                aggregation=cfg.aggregation, max_tokens=cfg.max_new_tokens, weight=weight)
             if len(part) < len(idx) and row_share(cfg.loss, cfg.aggregation):
                 piece = piece * (len(part) / len(idx))
@@ -1410,6 +1409,7 @@ def rl_update(model, opt, batch: dict, cfg: Config, eps_low: float, eps_high: fl
             gap = dict(zip(("engine_gap_tokens", "engine_gap_seqs"), engine_gap(logp_new, rec, full)))
             if engine_differs(cfg):         # signed: the mean log s the sampler hands the update
                 gap["engine_log_s_mean"] = sequence_log_ratio(logp_new, rec, full)[full.any(-1)].mean().item()
+                gap.update(record_engine_gap(cfg, logp_new, rec, full, *band(idx)))   # --eps-engine's estimate
                 if "engine_kl_tokens" in batch:      # train() measured it as the rollout ended
                     gap["engine_kl_tokens"] = batch["engine_kl_tokens"]
         if corrected:
@@ -1417,7 +1417,7 @@ def rl_update(model, opt, batch: dict, cfg: Config, eps_low: float, eps_high: fl
         # a token can clip only off-policy (s = 1 in chunk 1 unless pi_old is the sampler's record)
         # and only with A != 0 (no flat group)
         could_clip = 0 if k == 0 and not from_sampler else (mask & (adv != 0).unsqueeze(-1)).sum().item()
-        logs.append({**ratio_metrics(logp_new, logp_old, adv, mask, cfg.loss, eps_low, eps_high),
+        logs.append({**ratio_metrics(logp_new, logp_old, adv, mask, cfg.loss, *band(idx)),
                      "loss": loss.item(), "n_clip_ceiling": could_clip, "grad_norm": norm.item(),
                      "n_masked_seqs": sum(x[4] for x in seen), **gap})
     opt.zero_grad(set_to_none=True)         # the gradients' memory is free while the next rollout samples
@@ -1607,6 +1607,69 @@ def synthetic_gap(mask: torch.Tensor, cfg: Config) -> torch.Tensor | None:
     gen = cfg._record_generator
     d = torch.randn(mask.shape, generator=gen) * sigma - k                     # (B, T), on the CPU
     return torch.where(mask.cpu() != 0, d, torch.zeros(())).to(mask.device)
+
+
+# --- The calibrated band (--eps-engine Z): GSPO's band moved by the record's bias, widened by its noise --
+# With an engine's record as pi_old, at theta = theta_old log s = -K + M/n (tutorial section 12): a
+# bias -K that length leaves and a noise of standard deviation SIGMA / sqrt(n). The band on log s,
+# [log(1 - eps_low), log(1 + eps_high)], becomes, for a response of n tokens,
+#   [log(1 - eps_low) - K - Z SIGMA / sqrt(n),  log(1 + eps_high) - K + Z SIGMA / sqrt(n)],
+# K and SIGMA estimated from the per-token gaps d_t = log pi_theta(y_t) - log record(y_t) of minibatch
+# 1 (theta = theta_old there, so the gap is the engine's alone), pooled over the run's earlier steps.
+# K-hat = SIGMA-hat^2 / 2, not -mean(d): for a small gap K = E[d^2]/2 to second order, and the
+# variance's error is far smaller than the mean's (mechanism_calibration.json: 34x on add2's bf16
+# record); a gap that breaks the relation (a nucleus's, or a synthetic one set otherwise) breaks the
+# estimate too, so both estimates are logged (engine_k_hat, engine_k_hat_mean).
+def engine_gap_state(cfg: Config) -> list[float]:
+    """[tokens, sum of d, sum of d^2] over the run so far, kept on `cfg` (not a field)."""
+    if "_engine_gap" not in cfg.__dict__:
+        cfg._engine_gap = [0.0, 0.0, 0.0]
+    return cfg._engine_gap
+
+
+def gap_estimates(state: list[float]) -> tuple[float, float] | None:
+    """(K-hat = SIGMA-hat^2 / 2, SIGMA-hat) from the pooled sums; None before two tokens."""
+    n, total, squares = state
+    if n < 2:
+        return None
+    var = max(squares - total * total / n, 0.0) / (n - 1)
+    return var / 2, math.sqrt(var)
+
+
+def calibrated_band(mask: torch.Tensor, cfg: Config, eps_low, eps_high):
+    """--eps-engine's per-response (eps_low, eps_high), (B,) each, such that GSPO's clip(s, 1 -
+    eps_low, 1 + eps_high) is the band above; the floats unchanged without the flag, before any
+    estimate, or with a zero gap (then it is the paper's band exactly)."""
+    est = gap_estimates(engine_gap_state(cfg)) if cfg.eps_engine is not None else None
+    if est is None or est == (0.0, 0.0):
+        return eps_low, eps_high
+    k, sigma = est
+    n = (mask != 0).sum(-1).clamp(min=1).double()                                   # (B,)
+    half = cfg.eps_engine * sigma / n.sqrt()
+    low = 1 - (1 - eps_low) * torch.exp(-k - half)
+    high = (1 + eps_high) * torch.exp(-k + half) - 1
+    return low.float(), high.float()
+
+
+@torch.no_grad()
+def record_engine_gap(cfg: Config, logp_trainer, logp_record, mask, eps_low, eps_high) -> dict:
+    """Add minibatch 1's gaps to --eps-engine's pooled sums and return the step's metrics: the
+    estimates the step's band used (`engine_k_hat`, `engine_k_hat_mean` = -mean d, `engine_sigma_hat`;
+    absent at the first step) and the medians of its band on log s (`engine_band_log_low`,
+    `engine_band_log_high`, per response). {} without the flag."""
+    if cfg.eps_engine is None:
+        return {}
+    state = engine_gap_state(cfg)
+    out = {}
+    if gap_estimates(state) is not None:
+        out.update(engine_k_hat=gap_estimates(state)[0], engine_k_hat_mean=-state[1] / state[0],
+                   engine_sigma_hat=gap_estimates(state)[1])
+    lo = torch.log1p(-torch.as_tensor(eps_low, dtype=torch.float64))
+    hi = torch.log1p(torch.as_tensor(eps_high, dtype=torch.float64))
+    out.update(engine_band_log_low=lo.median().item(), engine_band_log_high=hi.median().item())
+    d = (logp_trainer.double() - logp_record.double())[mask]
+    state[0], state[1], state[2] = state[0] + d.numel(), state[1] + d.sum().item(), state[2] + (d * d).sum().item()
+    return out
 
 
 # --- The run folder: metrics.jsonl, atomic checkpoints, summary.json --------------------------
@@ -2276,6 +2339,15 @@ def validate(cfg: Config) -> None:
         if (cfg.sampler_dtype, cfg.top_p, cfg.old_logprobs, cfg.is_correction) != ("float32", 1.0, "trainer", "none"):
             raise BadInput("--record-noise shifts the trainer's own pi_old: it needs --sampler-dtype float32, "
                            "--top-p 1, --old-logprobs trainer and no --is-correction")
+    if cfg.eps_engine is not None:
+        if not (math.isfinite(cfg.eps_engine) and cfg.eps_engine >= 0):
+            raise BadInput(f"--eps-engine (Z, the noise's width in standard deviations) must be a finite "
+                           f"number >= 0, got {cfg.eps_engine}")
+        if cfg.loss != "gspo":
+            raise BadInput(f"--eps-engine calibrates GSPO's band on s; not for --loss {cfg.loss}")
+        if not (cfg.record_noise or (cfg.old_logprobs == "sampler" and cfg.sampler_dtype != "float32")):
+            raise BadInput("--eps-engine calibrates the band for an engine's record as pi_old: it needs "
+                           "--old-logprobs sampler with a bf16 or fp16 sampler, or --record-noise")
     if cfg.scale_rewards not in ("group", "none"):
         raise BadInput(f"unknown --scale-rewards {cfg.scale_rewards!r}; choose group or none")
     if cfg.prompts_per_step * cfg.group_size > MAX_ROLLOUT:

@@ -440,6 +440,10 @@ BAD_NUMBERS = {
     "synthetic engine, nan": ["--record-noise", "1e-3,nan"],
     "synthetic engine on a bf16 sampler": ["--record-noise", "1e-3,0.05", "--sampler-dtype", "bfloat16"],
     "synthetic engine on the sampler's pi_old": ["--record-noise", "1e-3,0.05", "--old-logprobs", "sampler"],
+    "calibrated band without a record": ["--eps-engine", "2"],
+    "calibrated band with the trainer's pi_old": ["--eps-engine", "2", "--sampler-dtype", "bfloat16"],
+    "calibrated band for grpo": ["--eps-engine", "2", "--record-noise", "1e-3,0.05", "--loss", "grpo"],
+    "calibrated band negative": ["--eps-engine", "-1", "--record-noise", "1e-3,0.05"],
 }
 BAD.update(BAD_NUMBERS)
 
@@ -1550,13 +1554,13 @@ def test_the_optimiser_is_gone_before_the_final_evaluation(tmp_path, monkeypatch
 
 
 # --- the synthetic engine (--record-noise) --------------------------------------------------------
-def synthetic_runs(tmp_path, *noises):
+def synthetic_runs(tmp_path, *noises, extra=()):
     """metrics.jsonl records and final weights of the REPEAT run without --record-noise, then with each
-    of `noises`."""
+    of `noises` (and `extra` flags)."""
     out = []
     for i, noise in enumerate((None, *noises)):
         folder = str(tmp_path / f"run{i}")
-        assert g.main([*REPEAT, "--out", folder, *(["--record-noise", noise] if noise else [])]) == 0
+        assert g.main([*REPEAT, "--out", folder, *(["--record-noise", noise, *extra] if noise else [])]) == 0
         with open(os.path.join(folder, "metrics.jsonl")) as f:
             rows = [without_timings(json.loads(line)) for line in f]
         out.append((rows, (tmp_path / f"run{i}" / "checkpoint" / "model.safetensors").read_bytes()))
@@ -1592,3 +1596,63 @@ def test_a_synthetic_engine_changes_pi_old_and_nothing_the_rollout_draws(tmp_pat
     assert -0.01 - 0.05 < first(synth)["engine_log_s_mean"] < -0.01 + 0.05
     assert synth == again and w_synth == w_again                      # its own seeded stream: repeatable
 
+
+
+# --- the calibrated band (--eps-engine) -----------------------------------------------------------
+def test_a_calibrated_band_on_a_zero_gap_is_the_papers_band_bit_for_bit(tmp_path):
+    """With the synthetic engine at K = SIGMA = 0 the estimates are 0 and the band is the paper's: the
+    run equals the trainer's in every metric it logs and in its final weights."""
+    (plain, w_plain), (banded, w_banded) = synthetic_runs(tmp_path, "0,0", extra=["--eps-engine", "2"])
+    assert w_plain == w_banded
+    for a, b in zip(plain, banded):
+        assert {k: b[k] for k in a if not k.startswith("engine_gap")} == {k: v for k, v in a.items()
+                                                                          if not k.startswith("engine_gap")}
+    rl = [r for r in banded if r["stage"] == "rl"]
+    assert rl[1]["engine_k_hat"] == 0 and rl[1]["engine_band_log_low"] == pytest.approx(math.log1p(-3e-4))
+
+
+def test_the_calibrated_band_is_the_lenss_band_moved_by_minus_k_and_widened_by_z_sigma_over_root_n():
+    cfg = g.Config(record_noise="1e-3,0.05", eps_engine=2.0)
+    K, sigma, N = 1.25e-3, 0.05, 10_000
+    mean = -K
+    cfg._engine_gap = [N, mean * N, (sigma ** 2 * (N - 1) + mean ** 2 * N)]        # sums with that variance
+    assert g.gap_estimates(cfg._engine_gap) == pytest.approx((sigma ** 2 / 2, sigma))
+    mask = torch.arange(8)[None, :] < torch.tensor([[1], [4], [8]])               # responses of 1, 4, 8 tokens
+    low, high = g.calibrated_band(mask, cfg, 3e-4, 4e-4)
+    k = sigma ** 2 / 2
+    for i, n in enumerate((1, 4, 8)):
+        assert math.log(1 - low[i].item()) == pytest.approx(math.log(1 - 3e-4) - k - 2 * sigma / math.sqrt(n), rel=1e-6)
+        assert math.log(1 + high[i].item()) == pytest.approx(math.log(1 + 4e-4) - k + 2 * sigma / math.sqrt(n), rel=1e-6)
+    assert g.calibrated_band(mask, g.Config(), 3e-4, 4e-4) == (3e-4, 4e-4)            # no flag: the floats as they are
+
+
+def test_the_gap_estimator_finds_k_from_the_variance_within_its_standard_error_and_beats_the_mean():
+    """Synthetic gaps with K = SIGMA^2 / 2 (a small gap's relation), fed step by step as rl_update
+    feeds minibatch 1's: K-hat = SIGMA-hat^2 / 2 lands within 5 of its standard errors, SIGMA^2
+    sqrt(2 / N) / 2 for Gaussian gaps, far smaller than the mean's SIGMA / sqrt(N)."""
+    gen = torch.Generator().manual_seed(0)
+    cfg = g.Config(record_noise="1e-3,0.05", eps_engine=1.0)
+    sigma = 0.0147
+    K = sigma ** 2 / 2
+    mask = torch.ones(64, 4, dtype=torch.bool)
+    for _ in range(70):                                        # 70 steps of 64 x 4 tokens
+        d = torch.randn(64, 4, generator=gen, dtype=torch.float64) * sigma - K
+        out = g.record_engine_gap(cfg, d, torch.zeros_like(d), mask, 3e-4, 4e-4)
+    N = cfg._engine_gap[0]
+    se_var, se_mean = sigma ** 2 * math.sqrt(2 / N) / 2, sigma / math.sqrt(N)
+    k_hat, _ = g.gap_estimates(cfg._engine_gap)
+    assert abs(k_hat - K) < 5 * se_var and se_var < se_mean / 50
+    assert abs(out["engine_k_hat_mean"] - K) < 5 * se_mean                 # the mean agrees, within its wider error
+
+
+def test_a_calibrated_band_moves_with_the_estimate_from_the_second_step_on(tmp_path):
+    """Step 1 has no estimate yet (the paper's band); from step 2 the band's lower edge on log s sits at
+    log(1 - eps_low) - K-hat - Z SIGMA-hat / sqrt(n). A synthetic gap whose K is not SIGMA^2 / 2
+    shows the two estimators apart: the band follows the variance's."""
+    _, (banded, _) = synthetic_runs(tmp_path, "0.01,0.05", extra=["--eps-engine", "2"])
+    rl = [r for r in banded if r["stage"] == "rl"]
+    assert "engine_k_hat" not in rl[0] and rl[0]["engine_band_log_low"] == pytest.approx(math.log1p(-3e-4))
+    k, sigma = rl[1]["engine_k_hat"], rl[1]["engine_sigma_hat"]
+    assert k == pytest.approx(sigma ** 2 / 2) and sigma == pytest.approx(0.05, rel=0.5)   # from one step's dozen tokens
+    assert math.isfinite(rl[1]["engine_k_hat_mean"]) and rl[1]["engine_k_hat_mean"] != k
+    assert math.log1p(-3e-4) - k - 2 * sigma - 1e-6 <= rl[1]["engine_band_log_low"] < math.log1p(-3e-4) - k   # n >= 1; float32 bounds
