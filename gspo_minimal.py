@@ -1581,6 +1581,15 @@ def main(argv: list[str] | None = None) -> int:
 RECORD_SEED_MIX = 0x9E3779B97F4A7C15      # its generator's seed is --seed XOR this: a stream of its own
 
 
+def run_state(cfg: Config, name: str, make):
+    """What a run keeps from step to step beside its model (the synthetic engine's generator, the
+    calibrated band's sums): an attribute of `cfg` made by `make()` at first use; not a field, so
+    dataclasses.asdict, and with it summary.json's config, leaves it out."""
+    if name not in cfg.__dict__:
+        cfg.__dict__[name] = make()
+    return cfg.__dict__[name]
+
+
 def record_noise_values(cfg: Config) -> tuple[float, float] | None:
     """--record-noise's (K, SIGMA), None without it (`validate` has checked the text)."""
     if not cfg.record_noise:
@@ -1602,9 +1611,7 @@ def synthetic_gap(mask: torch.Tensor, cfg: Config) -> torch.Tensor | None:
     if values is None:
         return None
     k, sigma = values
-    if "_record_generator" not in cfg.__dict__:          # not a field: dataclasses.asdict leaves it out
-        cfg._record_generator = torch.Generator().manual_seed(cfg.seed ^ RECORD_SEED_MIX)
-    gen = cfg._record_generator
+    gen = run_state(cfg, "_record_generator", lambda: torch.Generator().manual_seed(cfg.seed ^ RECORD_SEED_MIX))
     d = torch.randn(mask.shape, generator=gen) * sigma - k                     # (B, T), on the CPU
     return torch.where(mask.cpu() != 0, d, torch.zeros(())).to(mask.device)
 
@@ -1621,10 +1628,8 @@ def synthetic_gap(mask: torch.Tensor, cfg: Config) -> torch.Tensor | None:
 # record); a gap that breaks the relation (a nucleus's, or a synthetic one set otherwise) breaks the
 # estimate too, so both estimates are logged (engine_k_hat, engine_k_hat_mean).
 def engine_gap_state(cfg: Config) -> list[float]:
-    """[tokens, sum of d, sum of d^2] over the run so far, kept on `cfg` (not a field)."""
-    if "_engine_gap" not in cfg.__dict__:
-        cfg._engine_gap = [0.0, 0.0, 0.0]
-    return cfg._engine_gap
+    """[tokens, sum of d, sum of d^2] over the run so far (`run_state`)."""
+    return run_state(cfg, "_engine_gap", lambda: [0.0, 0.0, 0.0])
 
 
 def gap_estimates(state: list[float]) -> tuple[float, float] | None:
@@ -1660,10 +1665,9 @@ def record_engine_gap(cfg: Config, logp_trainer, logp_record, mask, eps_low, eps
     if cfg.eps_engine is None:
         return {}
     state = engine_gap_state(cfg)
-    out = {}
-    if gap_estimates(state) is not None:
-        out.update(engine_k_hat=gap_estimates(state)[0], engine_k_hat_mean=-state[1] / state[0],
-                   engine_sigma_hat=gap_estimates(state)[1])
+    est, out = gap_estimates(state), {}
+    if est is not None:
+        out.update(engine_k_hat=est[0], engine_k_hat_mean=-state[1] / state[0], engine_sigma_hat=est[1])
     lo = torch.log1p(-torch.as_tensor(eps_low, dtype=torch.float64))
     hi = torch.log1p(torch.as_tensor(eps_high, dtype=torch.float64))
     out.update(engine_band_log_low=lo.median().item(), engine_band_log_high=hi.median().item())
@@ -2329,7 +2333,7 @@ def validate(cfg: Config) -> None:
             raise BadInput(f"--is-clip-min and --is-clip-max must satisfy 0 <= min < max, got {low} and {high}")
     if cfg.record_noise:
         try:
-            k, sigma = (float(v) for v in cfg.record_noise.split(","))
+            k, sigma = record_noise_values(cfg)
         except ValueError:
             raise BadInput(f"--record-noise takes K,SIGMA (two numbers, e.g. 1.2e-3,0.049), got "
                            f"{cfg.record_noise!r}") from None

@@ -2553,11 +2553,8 @@ def test_the_packed_lever_is_wrong_under_eager_attention_which_adds_a_boolean_ma
     """Why the packed pass is not kept: its block mask is boolean, "may attend", which SDPA reads as
     such; transformers' eager attention adds a 4-D mask to the scores as it is, so masked keys stay
     visible and the log-probs come out wrong, without an error."""
-    import copy as copying
-    from transformers import AutoModelForCausalLM
     model, tok, cfg, batch = tiny_rollout(1)
-    eager = AutoModelForCausalLM.from_config(copying.deepcopy(model.config), attn_implementation="eager")
-    eager.load_state_dict(model.state_dict())
+    eager = speed.eager_copy(model)
     args = [batch[k] for k in ("prompt_ids", "prompt_mask", "completions")]
     keep = batch["mask"] != 0
     right = g.group_policy_logprobs(eager, *args, cfg.group_size)        # eager attention, 2-D padding mask

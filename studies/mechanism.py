@@ -139,7 +139,9 @@ def log_s_by_length(d: torch.Tensor, mask: torch.Tensor) -> dict[int, list[float
     return {int(k): log_s[n == k].tolist() for k in n.unique().tolist() if k > 0}
 
 
-def compare_by_length(real: dict[int, list[float]], synth: dict[int, list[float]]) -> list[dict]:
+def compare_by_length(real: dict[int, list[float]], synth: dict[int, list[float]], sigma: float) -> list[dict]:
+    """Per length n: both records' log s quantiles, KS distance and standard deviation, beside the
+    lens's sigma / sqrt(n)."""
     rows = []
     for n in sorted(real):
         a, b = real[n], synth[n]
@@ -148,7 +150,7 @@ def compare_by_length(real: dict[int, list[float]], synth: dict[int, list[float]
             row.update(real=quantiles_of(a), synthetic=quantiles_of(b), ks_distance=ks_distance(a, b),
                        ks_critical_05=ks_critical(len(a), len(b)),
                        real_std=statistics.stdev(a), synthetic_std=statistics.stdev(b),
-                       lens_std=None)
+                       lens_std=sigma / math.sqrt(n))
         rows.append(row)
     return rows
 
@@ -166,10 +168,7 @@ def add2_calibration(seeds=CAL_SEEDS) -> dict:
     cfg = g.Config(record_noise=f"{k_hat!r},{sigma_hat!r}", seed=0)
     synth = g.synthetic_gap(mask, cfg).double()
     real_by_n, synth_by_n = log_s_by_length(d, mask), log_s_by_length(synth, mask)
-    rows = compare_by_length(real_by_n, synth_by_n)
-    for row in rows:
-        if "real" in row:
-            row["lens_std"] = sigma_hat / math.sqrt(row["length"])
+    rows = compare_by_length(real_by_n, synth_by_n, sigma_hat)
     all_real = [v for vs in real_by_n.values() for v in vs]
     all_synth = [v for vs in synth_by_n.values() for v in vs]
     fourth = ((x - x.mean()) ** 4).mean().item()

@@ -37,7 +37,7 @@ import torch  # noqa: E402
 
 import gspo_minimal as g  # noqa: E402
 from studies.common import (Parser, cli, fail, finished, load_checkpoint, need, problems, reset_peak_rss,  # noqa: E402
-                            status_kib, warm_start, write_json)
+                            read_json, status_kib, warm_start, write_json)
 
 
 OUTPUTS = ("figures/profile.json", "figures/train_seeds.json")
@@ -55,7 +55,7 @@ GEMM_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm")
 
 class PartTimer:
     """Wraps gspo_minimal's functions (and Tensor.backward, the optimiser's step) so that each call
-    adds its seconds to a part; `parts()` are one cycle's. Undone by `close`."""
+    adds its seconds to a part in `seconds` (reset it for each cycle). Undone by `close`."""
 
     def __init__(self, opt):
         self.seconds: dict = {}
@@ -243,16 +243,22 @@ def prefix_packed_logprobs(model, prompt_ids, prompt_mask, completions, mask, gr
     return torch.where(keep, g.token_logprobs(out, completions), 0.0)
 
 
+def eager_copy(model):
+    """The same weights under transformers' eager attention, in place of SDPA. From a copy of the
+    config: from_config would set the shared one's attention to eager for `model` too."""
+    from transformers import AutoModelForCausalLM
+    eager = AutoModelForCausalLM.from_config(copy.deepcopy(model.config), attn_implementation="eager")
+    eager.load_state_dict(model.state_dict())
+    return eager
+
+
 def levers(model, tok, batch: dict, cfg: g.Config, repeats: int = 20) -> dict:
     """Median seconds of the update's forward and backward on the batch's first minibatch (64
     rows) under each lever, with the largest difference of its log-probs from the script's pass."""
-    from transformers import AutoModelForCausalLM
     rows = torch.arange(len(batch["rewards"]) // cfg.minibatches)
     args = [batch[k][rows] for k in ("prompt_ids", "prompt_mask", "completions")]
     keep = batch["mask"][rows] != 0
-    eager = AutoModelForCausalLM.from_config(copy.deepcopy(model.config), attn_implementation="eager")  # a copy:
-    # from_config would set the shared config's attention to eager for `model` too
-    eager.load_state_dict(model.state_dict())
+    eager = eager_copy(model)
     compiled = torch.compile(model, dynamic=True)
     ways = {"script": lambda: g.group_policy_logprobs(model, *args, cfg.group_size),
             "eager_attention": lambda: g.group_policy_logprobs(eager, *args, cfg.group_size),
@@ -314,7 +320,7 @@ def train_seeds() -> dict:
         res = subprocess.run(cmd, capture_output=True, text=True)
         if res.returncode != 0:
             fail(f"seed {seed} ended with exit code {res.returncode}: {res.stderr.strip()[-300:]}", 1)
-        summary = json.load(open(os.path.join(out, "summary.json")))
+        summary = read_json(os.path.join(out, "summary.json"))
         runs.append({"seed": seed, "command": " ".join(cmd[1:]), "process_seconds": time.perf_counter() - started,
                      **{k: summary[k] for k in ("wall_seconds", "rl_seconds", "warmup_steps", "accuracy_before_rl",
                                                 "accuracy_after_rl", "rl_tokens_per_second", "host")}})
