@@ -566,9 +566,11 @@ def em_run_name(cell: str, loss: str, seed: int, rl_seed: int | None = None) -> 
     return f"{cell}_{loss}_s{seed}" + ("" if rl_seed in (None, seed) else f"_rl{rl_seed}")
 
 
-def em_jobs(design: dict, cells, seeds, noise: bool = False, losses=None) -> list[dict]:
-    """Each cell's runs (or, with `noise`, GSPO's second RL streams) of `seeds`, each waiting for
-    its warm-up; a drop cell's run goes through `python studies/engine.py _run KIND RATE ...`."""
+def em_jobs(design: dict, cells, seeds, noise: bool = False, losses=None, folder: str = EM_RUNS,
+            noise_offset: int = EM_NOISE_OFFSET) -> list[dict]:
+    """Each cell's runs (or, with `noise`, GSPO's second RL streams, --seed s + `noise_offset`) of
+    `seeds` into `folder`, each waiting for its warm-up; a drop cell's run goes through `python
+    studies/engine.py _run KIND RATE ...`. make figures-mechanism's jobs are these too."""
     from studies import map as regimes
     jobs = []
     for cell in cells:
@@ -576,12 +578,12 @@ def em_jobs(design: dict, cells, seeds, noise: bool = False, losses=None) -> lis
         for seed in seeds:
             warm = regimes.warmup_job(c["model"], seed)
             ckpt = os.path.join(os.path.dirname(warm["done"]), "checkpoint")
-            todo = [("gspo", seed + EM_NOISE_OFFSET)] if noise else [(loss, seed) for loss in (losses or c["losses"])]
+            todo = [("gspo", seed + noise_offset)] if noise else [(loss, seed) for loss in (losses or c["losses"])]
             for loss, rl_seed in todo:
                 name = em_run_name(cell, loss, seed, rl_seed)
                 args = ["--model", ckpt, "--warmup-max-steps", "0", "--seed", str(rl_seed), "--loss", loss, *c["flags"]]
-                job = script_job(name, args, EM_RUNS, c["steps"], needs=warm["done"])
-                if c["drop_in_minibatch_1"]:
+                job = script_job(name, args, folder, c["steps"], needs=warm["done"])
+                if c.get("drop_in_minibatch_1"):
                     job = drop_job(job, c["drop_in_minibatch_1"], design["random_drop_rate"]["rate"])
                 jobs.append(job)
     return jobs

@@ -288,7 +288,7 @@ def mech_design(cal_json: str = CAL_JSON, engine_json: str = "figures/engine.jso
                  "(and `make engine`) first")
     cal, eng = read_json(cal_json), read_json(engine_json)
     n2, n3 = len(mech_cells(cal, eng)), len(REMEDY_CELLS)
-    return {"cells": {name: {"task": "add2", "flags": flags, "losses": ["gspo", "grpo"], "steps": engine.em_steps("dense"),
+    return {"cells": {name: {"model": "dense", "task": "add2", "flags": flags, "losses": ["gspo", "grpo"], "steps": engine.em_steps("dense"),
                              "decided_by": "gspo - grpo"} for name, flags in mech_cells(cal, eng).items()},
             "seeds": list(MECH_SEEDS), "noise_rl_seed_offset": MECH_NOISE_OFFSET,
             "noise_measured_first_in": list(MECH_NOISE_FIRST),
@@ -342,26 +342,11 @@ def mech_write_design() -> dict:
     return record
 
 
-def mech_run_name(cell: str, loss: str, seed: int, rl_seed: int | None = None) -> str:
-    return f"{cell}_{loss}_s{seed}" + ("" if rl_seed in (None, seed) else f"_rl{rl_seed}")
-
-
 def mech_jobs(design: dict, cells, seeds, noise: bool = False) -> list[dict]:
     """Each cell's GSPO and GRPO runs of `seeds` (with `noise`, GSPO's second RL streams), each
-    waiting for its warm-up."""
-    from studies import map as regimes
-    jobs = []
-    for cell in cells:
-        c = design["cells"][cell]
-        for seed in seeds:
-            warm = regimes.warmup_job("dense", seed)
-            ckpt = os.path.join(os.path.dirname(warm["done"]), "checkpoint")
-            todo = [("gspo", seed + MECH_NOISE_OFFSET)] if noise else [(loss, seed) for loss in c["losses"]]
-            for loss, rl_seed in todo:
-                args = ["--model", ckpt, "--warmup-max-steps", "0", "--seed", str(rl_seed), "--loss", loss, *c["flags"]]
-                jobs.append(script_job(mech_run_name(cell, loss, seed, rl_seed), args, MECH_RUNS, c["steps"],
-                                       needs=warm["done"]))
-    return jobs
+    waiting for its warm-up: make figures-engine's jobs (`engine.em_jobs`), in this study's folder."""
+    from studies import engine
+    return engine.em_jobs(design, cells, seeds, noise, folder=MECH_RUNS, noise_offset=MECH_NOISE_OFFSET)
 
 
 def by_sign(rl: list[dict]) -> dict:
@@ -386,13 +371,14 @@ def mech_record(name: str, cell: str, seed: int, rl_seed: int) -> dict:
 
 
 def mech_collect(design: dict) -> tuple[list[dict], dict]:
+    from studies import engine
     records, acc = [], {}
     for cell in design["cells"]:
         a = {"gspo": {}, "grpo": {}, "noise": {}}
         for seed in design["seeds"]:
             for loss, rl_seed, slot in (("gspo", seed, "gspo"), ("grpo", seed, "grpo"),
                                         ("gspo", seed + MECH_NOISE_OFFSET, "noise")):
-                name = mech_run_name(cell, loss, seed, rl_seed)
+                name = engine.em_run_name(cell, loss, seed, rl_seed)
                 if os.path.exists(os.path.join(MECH_RUNS, name, "summary.json")):
                     records.append(mech_record(name, cell, seed, rl_seed))
                     a[slot][seed] = records[-1]["accuracy_after_rl"]
