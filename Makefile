@@ -14,7 +14,7 @@ STAMP     := .venv/.installed
 STAMP_TRL := .venv-trl/.installed
 STAMP_PRE := .venv-pretrained/.installed
 
-.PHONY: train profile train-seeds test test-isa check test-thorough verify figures trl test-trl bench test-pretrained pretrained pretrained-seeds figures-family figures-long figures-map figures-frontier engine figures-engine figures-mechanism gpu-check clean
+.PHONY: train profile train-seeds test test-isa check test-thorough verify figures trl test-trl bench test-pretrained pretrained pretrained-seeds figures-family figures-long figures-map figures-frontier engine figures-engine figures-mechanism figures-remedy mechanism-smollm2 gpu-check clean
 
 $(STAMP): requirements.txt
 	rm -rf .venv
@@ -112,6 +112,12 @@ figures-engine: $(STAMP)  ## what stops GSPO with a bf16 sampler's pi_old, and w
 
 figures-mechanism: $(STAMP)  ## why GSPO falls behind on an engine's record: bias against noise, seven cells on add2 (real bf16 and fp16 records, the synthetic engine, --record-noise, at the calibrated gap, at its bias alone, its noise alone, SmolLM2's floor), GSPO and GRPO, 5 seeds, under the map's rule fixed before the runs: figures/mechanism.json (at most 75 min, resumable; its prototype first: python studies/mechanism.py calibrate)
 	$(PY) studies/mechanism.py figures
+
+figures-remedy: $(STAMP)  ## a band that survives the engine's gap: GSPO with the calibrated band (--eps-engine 1.96) on the bf16 record and on the synthetic engine at SmolLM2's floor, the fixed widened band, TRL's route and two controls (re-centring alone, widening alone), each against its reference's GSPO runs in figures/mechanism.json, 5 seeds, under the rule fixed before the runs: figures/mechanism_remedy.json (at most 60 min, resumable; its design and timed prototype first: python studies/mechanism.py remedy-design)
+	$(PY) studies/mechanism.py remedy
+
+mechanism-smollm2: $(STAMP_PRE)  ## the mechanism on SmolLM2, one step, no learning: GSPO's clip shares by sign of A with the bf16 record as pi_old against the lens's prediction (written first), and the gradient against the trainer's pi_old, under the paper's and the calibrated band, then the synthetic record: figures/mechanism_smollm2.json (at most 30 min, within 4 GiB per process, resumable; its prototype first: .venv-pretrained/bin/python studies/smollm2_step.py prototype)
+	$(PY_PRE) studies/smollm2_step.py
 
 gpu-check: $(if $(NOVENV),,$(STAMP_PRE))  ## the CUDA path against the CPU, in minutes (in .venv-pretrained, for its GGUF steps); NOVENV=1 PYTHON=python3 uses the host's own packages
 	$(if $(NOVENV),$(PYTHON),$(PY_PRE)) studies/gpu_check.py

@@ -199,3 +199,22 @@ def test_a_seed_runs_update_with_every_answer_at_full_length_stays_within_the_me
     peak = float(lines[-2])
     print(f"full-length update at the seed runs' settings: peak {peak:.0f} MiB")
     assert peak < MEMORY_GOAL_MB, f"the full-length update peaked at {peak:.0f} MiB"
+
+
+def test_the_smollm2_step_writes_its_prediction_before_it_scores_and_compares_the_gradients(smollm, tmp_path):
+    """make mechanism-smollm2's part at a tiny size on the real model, the bf16 copy's real record:
+    the prediction file exists with what the part returns, the shares are shares, the trainer's
+    pi_old gives s = 1 (its weights are -A / B), and the cosines are cosines."""
+    from studies import smollm2_step
+    size = {"prompts": 1, "group_size": 4, "max_new_tokens": 8}
+    part = smollm2_step.step_part(0, size, str(tmp_path))
+    with open(part["prediction_file"]) as f:
+        assert json.load(f)["prediction"] == json.loads(json.dumps(part["prediction"]))
+    assert part["responses"] == 4 and part["answer_tokens"] <= 32 and part["decode_tokens_per_second"] > 0
+    assert part["gaps"]["real"]["kl_per_token"] > 0 and part["gaps"]["real"]["sigma_hat"] > 0
+    for setting in smollm2_step.SETTINGS:
+        m = part["measured"][setting]
+        for side in ("pos", "neg"):
+            assert m[f"n_seqs_{side}"] == part[f"n_{side}"] and 0 <= m[f"n_clip_seqs_{side}"] <= m[f"n_seqs_{side}"]
+        if part["responses_with_gradient_trainer"] and m["cosine"] is not None:
+            assert -1 - 1e-6 <= m["cosine"] <= 1 + 1e-6 and m["norm_ratio"] >= 0

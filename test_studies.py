@@ -20,7 +20,7 @@ import torch
 import gspo_minimal as g
 from conftest import TINY, pre_split, tiny_llama_for
 from studies import (common, engine, family, figures, frontier, gpu_check, lens, long, map as regimes, mechanism,
-                     metrics, pretrained, pretrained_seeds, speed, trl_compare, verify)
+                     metrics, pretrained, pretrained_seeds, smollm2_step, speed, trl_compare, verify)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 EXTRAS = ("requirements-trl.txt", "requirements-pretrained.txt")
@@ -473,7 +473,7 @@ def test_an_interrupted_run_is_not_a_finished_one(tmp_path):
 
 # --- the studies as scripts: one file per study, each run as `python studies/NAME.py` ----------------
 STUDIES = ("common", "verify", "metrics", "figures", "family", "long", "pretrained", "gpu_check", "speed",
-           "trl_compare", "lens", "map", "two_process", "pretrained_seeds", "data_example", "mechanism")
+           "trl_compare", "lens", "map", "two_process", "pretrained_seeds", "data_example", "mechanism", "smollm2_step")
 ROOT_ON_PATH = "sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))"
 
 
@@ -590,6 +590,7 @@ BAD_COMMAND_LINES = [      # (study, argv, what the line says): each fails befor
     (trl_compare, ["bench", "many"], "usage"), (trl_compare, ["_side", "ours"], "usage"),
     (trl_compare, ["trl", "--no-such-flag"], "unrecognized"),
     (mechanism, [], "required"), (mechanism, ["cells"], "invalid choice"),
+    (smollm2_step, ["measure"], "invalid choice"), (smollm2_step, ["prototype", "x"], "unrecognized"),
 ]
 
 
@@ -1909,7 +1910,7 @@ def test_the_data_example_runs_the_tutorials_command():
 # --- provenance of the committed results ------------------------------------------------------------
 KEPT_COPIES = ("figures/figures_earlier_runs.json", "figures/pretrained_missed_goal.json",
                "figures/pretrained_previous_rollout.json", "figures/long_earlier_runs.json")   # earlier results kept beside their remake
-NOT_MADE_YET: tuple[str, ...] = ()           # a target's PNG not drawn yet, its JSON holding only its design
+NOT_MADE_YET: tuple[str, ...] = ("figures/mechanism_remedy.json", "figures/mechanism_smollm2.json")   # designs to come
 
 
 def test_every_committed_result_says_where_and_from_what_tree_it_was_made():
@@ -1935,7 +1936,7 @@ def test_each_committed_figure_file_is_one_targets_own_output():
     every committed file in figures/ belongs to one target, but the kept earlier copies."""
     owners = {}
     for study in (figures, family, long, regimes, pretrained, pretrained_seeds, trl_compare, lens, engine, frontier,
-                  speed, mechanism):
+                  speed, mechanism, smollm2_step):
         for out in study.OUTPUTS:
             assert out not in owners, f"{out}: {owners.get(out)} and {study.__name__}"
             owners[out] = study.__name__
@@ -2674,6 +2675,22 @@ def test_the_by_sign_shares_read_minibatch_one_apart_from_the_later_ones():
     assert mechanism.by_sign([{"clip_seqs": 0.1}]) == {}
 
 
+def test_the_committed_mechanism_cells_come_again_from_its_runs():
+    record = common.read_json(os.path.join(HERE, "figures", "mechanism.json"))
+    if not record["runs"]:
+        pytest.skip("mechanism.json holds its design only")
+    acc = {c: {"gspo": {}, "grpo": {}, "noise": {}} for c in record["design"]["cells"]}
+    for r in record["runs"]:
+        slot = r["loss"] if r["rl_seed"] == r["seed"] else "noise"         # GSPO's second RL stream
+        acc[r["cell"]][slot][r["seed"]] = r["accuracy_after_rl"]
+    again = json.loads(json.dumps(mechanism.mech_verdicts(acc)))
+    for cell, v in record["cells"].items():
+        assert {k: x for k, x in v.items() if k != "collapses"} == again[cell], cell
+    assert len(record["runs"]) == 7 * 2 * 5 + 5 * sum(v["noise_from"] == "its own second RL streams"
+                                                       for v in record["cells"].values())
+    assert not record["dirty"] and record["figures_mechanism_seconds"] <= record["design"]["budget_seconds"]
+
+
 def test_the_mechanism_cells_are_decided_by_the_maps_rule_on_five_seeds():
     acc = {"a": {"gspo": {s: 0.5 for s in range(5)}, "grpo": {s: 0.6 + 0.01 * s for s in range(5)},
                  "noise": {s: 0.5 + (0.05 if s == 2 else 0) for s in range(5)}},
@@ -2683,3 +2700,169 @@ def test_the_mechanism_cells_are_decided_by_the_maps_rule_on_five_seeds():
     assert v["a"]["separates"] and v["a"]["noise"] == pytest.approx(0.05) and v["a"]["median_difference"] == pytest.approx(-0.12)
     assert not v["b"]["separates"] and v["b"]["common_sign"] == 0          # one seed of five the other way
     assert v["b"]["noise_from"] == "the largest measured for add2"
+
+
+# --- make figures-remedy: a band that survives the gap (studies/mechanism.py) -----------------------
+def test_the_remedy_design_decides_six_cells_against_their_references_under_the_mechanisms_rule():
+    d = mechanism.rem_design()
+    mech = common.read_json(os.path.join(HERE, "figures", "mechanism.json"))["design"]
+    assert d["decided_cells"] == ["real_bf16_calibrated", "real_bf16_wide", "synth_both_large_calibrated", "trl_route",
+                                  "control_recentre", "control_widen"]
+    assert list(mechanism.REMEDY_CELLS) == d["decided_cells"]          # the family mechanism.json counted
+    cells = d["cells"]
+    assert {c: v["reference"] for c, v in cells.items()} == {
+        "real_bf16_calibrated": "real_bf16", "real_bf16_wide": "real_bf16", "synth_both_large_calibrated": "synth_both_large",
+        "trl_route": "real_bf16", "control_recentre": "real_bf16", "control_widen": "bf16_trainer", "bf16_trainer": None}
+    real = mech["cells"]["real_bf16"]["flags"]
+    assert cells["real_bf16_calibrated"]["flags"] == real + ["--eps-engine", "1.96"]
+    assert cells["control_recentre"]["flags"] == real + ["--eps-engine", "0"]
+    assert cells["synth_both_large_calibrated"]["flags"] == mech["cells"]["synth_both_large"]["flags"] + ["--eps-engine", "1.96"]
+    wide = engine.widened_band()
+    assert cells["real_bf16_wide"]["flags"] == real + ["--eps-low", f"{wide['eps_low']:.6g}", "--eps-high", f"{wide['eps_high']:.6g}"]
+    assert cells["trl_route"]["flags"] == ["--sampler-dtype", "bfloat16", "--is-correction", "sequence_mask"]
+    assert cells["control_widen"]["flags"][-1] == "WIDEN" and cells["control_widen"]["phase"] == 2
+    assert all(v["losses"] == ["gspo"] and v["steps"] == engine.em_steps("dense") for v in cells.values())
+    p = d["null_probabilities"]
+    assert p["at_least_one_of_these_cells"] == pytest.approx(1 - (15 / 16) ** 6)
+    assert p["at_least_one_with_the_mechanism_cells"] == pytest.approx(1 - (15 / 16) ** 13)
+    assert "GSPO(cell) - GSPO(reference)" in d["decision_rule"] and "mechanism.json" in d["decision_rule"]
+    band = {"eps_low": 0.01, "eps_high": 0.012}
+    cells["control_widen"]["flags"] = mechanism.rem_flags("control_widen", mech, wide, band)
+    parser = g.build_parser()
+    jobs = mechanism.mech_jobs_in(d, list(cells), d["seeds"]) + mechanism.mech_jobs_in(d, ["trl_route"], [0], noise=True)
+    assert len(jobs) == 7 * 5 + 1 and all(j["cmd"][j["cmd"].index("--out") + 1].startswith("runs/remedy/") for j in jobs)
+    for job in jobs:
+        cfg = parser.parse_args(job["cmd"][2:])
+        g.validate(g.Config(**{**vars(cfg), "model": ""}))            # valid flags (the checkpoint comes later)
+        assert cfg.loss == "gspo" and cfg.threads == 1 and cfg.warmup_max_steps == 0
+
+
+def test_control_widens_band_is_the_calibrated_bands_median_width_centred_where_the_papers_is():
+    paper = math.log1p(4e-4) - math.log1p(-3e-4)
+    recs = [{"cell": "real_bf16_calibrated", "seed": s, "rl_seed": s, "band_width_median": paper + w}
+            for s, w in enumerate((0.01, 0.03, 0.02, 0.05, 0.04))]
+    recs.append({"cell": "real_bf16_calibrated", "seed": 0, "rl_seed": 100, "band_width_median": 9.0})   # a second stream
+    b = mechanism.widen_band(recs)
+    assert b["width_median"] == pytest.approx(paper + 0.03) and b["half_widening"] == pytest.approx(0.015)
+    lo, hi = math.log1p(-b["eps_low"]), math.log1p(b["eps_high"])
+    assert hi - lo == pytest.approx(paper + 0.03, rel=1e-12)
+    assert lo == pytest.approx(math.log1p(-3e-4) - 0.015, rel=1e-12) and hi == pytest.approx(math.log1p(4e-4) + 0.015, rel=1e-12)
+    with pytest.raises(common.StudyFailed, match="4 finished"):
+        mechanism.widen_band(recs[:4])                                 # a run missing: no band
+
+
+def test_the_remedy_cells_are_paired_with_their_references_runs_and_take_the_largest_noise_measured():
+    d = mechanism.rem_design()
+    ref = {s: 0.5 for s in range(5)}
+    mech_acc = {"real_bf16": {"gspo": ref, "grpo": {s: 0.7 for s in range(5)}, "noise": {}},
+                "synth_both_large": {"gspo": ref, "grpo": {s: 0.6 for s in range(5)}, "noise": {}}}
+    up = {s: 0.6 + 0.01 * s for s in range(5)}
+    acc = {c: {"gspo": ref, "noise": {}} for c in d["cells"]}
+    acc["real_bf16_calibrated"] = {"gspo": up, "noise": {s: up[s] - 0.02 for s in range(5)}}
+    acc["trl_route"] = {"gspo": up, "noise": {}}
+    acc["control_widen"] = {"gspo": {s: 0.4 for s in range(5)}, "noise": {}}
+    acc["bf16_trainer"] = {"gspo": {s: 0.45 for s in range(5)}, "noise": {}}
+    v = mechanism.rem_verdicts(d, acc, mech_acc, [0.08])
+    cal = v["real_bf16_calibrated"]
+    assert cal["separates"] and cal["noise"] == pytest.approx(0.02) and cal["noise_from"] == "its own second RL streams"
+    assert cal["median_difference"] == pytest.approx(0.12) and cal["gspo_minus_reference_grpo_by_seed"][0] == pytest.approx(-0.1)
+    assert v["trl_route"]["noise"] == pytest.approx(0.08) and v["trl_route"]["separates"]       # mechanism.json's noise
+    assert v["control_widen"]["median_difference"] == pytest.approx(-0.05) and not v["control_widen"]["separates"]
+    assert v["control_widen"]["gspo_minus_reference_grpo_by_seed"] is None and "bf16_trainer" not in v
+    assert not v["control_recentre"]["separates"] and v["control_recentre"]["common_sign"] == 0
+
+
+# --- make mechanism-smollm2: the lens's prediction and the scoring (studies/smollm2_step.py) ---------
+def test_paired_decode_hands_back_the_tokens_and_the_records_log_probs():
+    tok = g.build_char_tokenizer()
+    torch.manual_seed(0)
+    model = g.build_tiny_model(tok)
+    ids, attn = g.encode_prompts(tok, ["12+34=", "7+8="] * 4, "cpu")
+    torch.manual_seed(1)
+    out = engine.paired_decode(model, model, ids, attn, 12, tok.eos_token_id, suppress_eos=False)
+    assert torch.equal(g.completion_mask(out["tokens"], tok.eos_token_id), out["alive"])
+    with torch.no_grad():
+        full = g.policy_logprobs(model, ids, attn, out["tokens"])
+    assert torch.allclose(out["logq"].float()[out["alive"]], full[out["alive"]], atol=1e-5)
+
+
+def test_the_lens_prediction_is_the_share_its_own_model_clips():
+    gen = torch.Generator().manual_seed(0)
+    n = torch.tensor([1, 3, 8, 40, 200, 512] * 2)
+    adv = torch.tensor([1.0] * 6 + [-1.0] * 6)
+    k, sigma, lo, hi = 1.2e-3, 0.049, math.log1p(-3e-4), math.log1p(4e-4)
+    pred = smollm2_step.lens_prediction(n, adv, k, sigma, lo, hi)
+    draws = -k + sigma / n.double().sqrt() * torch.randn(40000, len(n), generator=gen, dtype=torch.float64)
+    clipped = torch.where(adv > 0, draws > hi, draws < lo).double().mean(0)
+    assert torch.allclose(torch.tensor(pred["p_clipped"], dtype=torch.float64), clipped, atol=0.01)
+    at512 = smollm2_step.lens_prediction(torch.tensor([512, 512]), torch.tensor([-1.0, 1.0]), k, sigma, lo, hi)
+    assert at512["share_neg"] == pytest.approx(0.66, abs=0.005) and at512["share_pos"] == pytest.approx(0.23, abs=0.005)
+    assert smollm2_step.lens_prediction(n, torch.zeros(12), k, sigma, lo, hi)["p_clipped"] == [0.0] * 12
+    assert pred["n_seqs_pos"] == 6 and pred["share_sd_neg"] == pytest.approx(
+        math.sqrt(sum(p * (1 - p) for p in pred["p_clipped"][6:])) / 6)
+
+
+def test_under_the_calibrated_band_the_lens_predicts_phi_of_minus_z_and_with_no_gap_it_is_the_papers_band():
+    gen = torch.Generator().manual_seed(0)
+    sigma, z = 0.02, 1.96
+    d = torch.randn(200000, generator=gen, dtype=torch.float64) * sigma - sigma ** 2 / 2
+    s = smollm2_step.gap_summary(d)
+    assert s["k_hat"] == pytest.approx(s["sigma_hat"] ** 2 / 2) and s["k_hat_mean"] == pytest.approx(sigma ** 2 / 2, abs=3e-4)
+    mask = torch.tensor([[True] * n + [False] * (9 - n) for n in (1, 4, 9)])
+    b = smollm2_step.bands(mask, s["state"], z, (3e-4, 4e-4))
+    assert b["paper"] == (3e-4, 4e-4)
+    lo, hi = smollm2_step.log_band(*b["calibrated"])
+    n = mask.sum(-1)
+    pred = smollm2_step.lens_prediction(n, torch.tensor([-1.0, -1.0, -1.0]), s["k_hat"], s["sigma_hat"], lo, hi)
+    expect = torch.special.ndtr(math.log1p(-3e-4) * n.double().sqrt() / s["sigma_hat"] - z)
+    assert torch.allclose(torch.tensor(pred["p_clipped"], dtype=torch.float64), expect, atol=1e-6)   # float32 bands
+    none = smollm2_step.gap_summary(torch.zeros(50, dtype=torch.float64))
+    assert smollm2_step.bands(mask, none["state"], z, (3e-4, 4e-4))["calibrated"] == (3e-4, 4e-4)
+
+
+def test_one_backward_pass_per_response_gives_every_settings_gspo_gradient():
+    """sequence_weights reads c_i = dLoss / d log s_i off gspo_loss; weighted_gradients' sum of c_i
+    grad log s_i is the gradient of the loss itself, with a per-response band; clipped responses get 0."""
+    tok = g.build_char_tokenizer()
+    torch.manual_seed(0)
+    model = g.build_tiny_model(tok)
+    ids, attn = g.encode_prompts(tok, ["12+34=", "7+8="] * 4, "cpu")
+    comp = g.sample_completions(model, ids, attn, 6, tok.eos_token_id, tok.pad_token_id, temperature=1.0, group_size=4)
+    mask = g.completion_mask(comp, tok.eos_token_id)
+    batch = {"prompt_ids": ids, "prompt_mask": attn, "completions": comp, "mask": mask}
+    adv = torch.tensor([1.0, -1.0, 0.5, -0.5, 2.0, -2.0, 0.0, 1.0])
+    with torch.no_grad():
+        logp = g.policy_logprobs(model, ids, attn, comp)
+    old = logp + 0.01 * torch.randn(logp.shape, generator=torch.Generator().manual_seed(1))
+    eps_low, eps_high = torch.full((8,), 3e-3), torch.full((8,), 4e-3)
+    eps_high[0] = 1.0                                                    # one response's band wide open
+    c = smollm2_step.sequence_weights(logp, old, adv, mask, eps_low, eps_high)
+    s = g.importance_ratio(logp, old, mask).double()
+    clipped = g.clipped_on_active_side(s, adv.double(), eps_low.double(), eps_high.double())
+    assert torch.allclose(c, torch.where(clipped, 0.0, -adv.double() * s / 8), rtol=1e-6, atol=1e-12)   # s in float32 here
+    assert clipped.any() and (c[6] == 0)
+    mine = smollm2_step.weighted_gradients(model, batch, {"x": c, "trainer": -adv.double() / 8}, 1.0)
+    model.zero_grad()
+    g.gspo_loss(g.policy_logprobs(model, ids, attn, comp), old, adv, mask, eps_low, eps_high).backward()
+    theirs = torch.cat([p.grad.reshape(-1) for p in model.parameters() if p.requires_grad])
+    assert torch.allclose(mine["x"], theirs, rtol=1e-4, atol=1e-7)
+    trainer = smollm2_step.sequence_weights(logp, logp, adv, mask, 3e-4, 4e-4)
+    assert torch.allclose(trainer, -adv.double() / 8)                  # s = 1: nothing clips (the loss is -J)
+    assert smollm2_step.compared(mine["x"], mine["x"])["cosine"] == pytest.approx(1.0)
+    assert smollm2_step.compared(2 * mine["x"], mine["x"])["norm_ratio"] == pytest.approx(2.0)
+
+
+def test_the_pooled_comparison_adds_up_the_seeds_and_agrees_within_two_lens_deviations():
+    def part(clip_pos, clip_neg, exp_pos, exp_neg):
+        m = {s: {"n_seqs_pos": 4, "n_clip_seqs_pos": clip_pos, "n_seqs_neg": 12, "n_clip_seqs_neg": clip_neg,
+                 "cosine": 0.9, "norm_ratio": 0.5} for s in smollm2_step.SETTINGS}
+        p = {s: {"expected_clipped_pos": exp_pos, "variance_clipped_pos": 0.5, "expected_clipped_neg": exp_neg,
+                 "variance_clipped_neg": 1.0} for s in smollm2_step.SETTINGS}
+        return {"measured": m, "prediction": p}
+    out = smollm2_step.pooled([part(1, 8, 1.0, 6.0), part(0, 9, 1.5, 6.0), part(2, 7, 1.0, 6.5)])
+    row = out["real_paper"]
+    assert row["pos"]["responses"] == 12 and row["pos"]["measured_share"] == pytest.approx(3 / 12)
+    assert row["pos"]["predicted_share"] == pytest.approx(3.5 / 12) and row["pos"]["agrees"]
+    assert row["neg"]["predicted_sd"] == pytest.approx(math.sqrt(3) / 36)
+    assert not row["neg"]["agrees"]                                    # 24 against 18.5, sd 1.73
+    assert row["cosine_median"] == 0.9 and row["norm_ratio_by_seed"] == [0.5] * 3

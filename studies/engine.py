@@ -108,14 +108,15 @@ def paired_decode(sampler, trainer, prompt_ids, prompt_mask, length: int, eos_id
     while `trainer` (p, float32 log_softmax of logits / temperature) reads them with a cache of its
     own. Returns (B, L) float64 `d` = log p(y_t) - log q(y_t) and `k` = KL(q_t || p_t) over the
     vocabulary, and bool `alive` (False after a row's EOS; all True with `suppress_eos`, which sets
-    EOS to -inf on both sides, so both distributions are renormalised without it)."""
+    EOS to -inf on both sides, so both distributions are renormalised without it); with the
+    sampled `tokens` (B, L) and the sampler's record of them, `logq` (B, L) float64."""
     attn = prompt_mask.long()
     pos = (attn.cumsum(-1) - 1).clamp(min=0)
     caches = [preallocated_cache(m.config, prompt_ids.shape[1] + length) for m in (sampler, trainer)]
     logits = [m(input_ids=prompt_ids, attention_mask=attn, position_ids=pos, cache=c, use_cache=True,
                 logits_to_keep=1).logits[:, -1] for m, c in zip((sampler, trainer), caches)]
     done = torch.zeros(len(prompt_ids), dtype=torch.bool)
-    d, k, alive = [], [], []
+    d, k, alive, tokens, record = [], [], [], [], []
     for _ in range(length):
         if suppress_eos:
             for lg in logits:
@@ -127,6 +128,8 @@ def paired_decode(sampler, trainer, prompt_ids, prompt_mask, length: int, eos_id
         d.append((logp.gather(-1, pick) - logq.gather(-1, pick)).squeeze(-1).double())
         k.append(g.token_kl(logq, logp).double())
         alive.append(~done)
+        tokens.append(nxt)
+        record.append(logq.gather(-1, pick).squeeze(-1).double())
         done = done | (nxt == eos_id)
         if done.all():
             break
@@ -134,7 +137,8 @@ def paired_decode(sampler, trainer, prompt_ids, prompt_mask, length: int, eos_id
         pos = pos[:, -1:] + 1
         logits = [m(input_ids=nxt[:, None], attention_mask=attn, position_ids=pos, cache=c,
                     use_cache=True).logits[:, -1] for m, c in zip((sampler, trainer), caches)]
-    return {"d": torch.stack(d, 1), "k": torch.stack(k, 1), "alive": torch.stack(alive, 1)}
+    return {"d": torch.stack(d, 1), "k": torch.stack(k, 1), "alive": torch.stack(alive, 1),
+            "tokens": torch.stack(tokens, 1), "logq": torch.stack(record, 1)}
 
 
 # ---------------------------------------------------------------------------------------------
