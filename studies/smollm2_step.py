@@ -16,8 +16,9 @@ a response on its active side with probability
 with lo = log(1 - eps_low), hi = log(1 + eps_high) for the paper's band, and the calibrated band's
 own bounds (gspo_minimal.calibrated_band) for --eps-engine's. Per seed, one rollout of SmolLM2-135M
 on arithmetic word problems (G answers each, scored by their last number), sampled as make engine
-samples it: the bf16 copy draws every token at temperature 1 while the float32 model reads the same
-tokens, EOS allowed (natural answers), at most STEP["max_new_tokens"] tokens. Then, in this order:
+samples it, but at make pretrained's temperature 0.6 (at 1 the model's answers earned no reward in
+the prototype, so no advantage had a sign): the bf16 copy draws every token while the float32 model
+reads the same tokens, EOS allowed (natural answers), at most STEP["max_new_tokens"] tokens. Then:
 
   1. K (the per-token KL of the bf16 copy from the model, from the decode) and sigma (the standard
      deviation of the trainer-record gaps d_t) of this rollout's own answers, and the lens's
@@ -62,7 +63,9 @@ STEP = {
     "seeds": [0, 1, 2],
     "prompts": 2,               # x group_size answers per seed: one rollout (the prototype sets the budget)
     "group_size": 16,           # the model rarely gets these right: large groups, so most have spread
-    "sampler": "bfloat16", "temperature": 1.0, "top_p": 1.0,    # make engine's sampling
+    "sampler": "bfloat16", "top_p": 1.0,   # make engine's sampler: the bf16 copy draws, float32 reads
+    "temperature": 0.6,         # make pretrained's. At make engine's 1.0 the prototype's 8 answers all
+                                # missed (reward 0, one flat group): no advantage to split by sign
     "max_new_tokens": 512,      # make engine's cap; EOS allowed
     "eps": [3e-4, 4e-4],        # the paper's band
     "z": 1.96,                  # the calibrated band's Z (make figures-remedy's)
@@ -75,7 +78,8 @@ STEP = {
     "peak_rss_goal_mb": 4096,
     "budget_seconds": 30 * 60,
 }
-PROTOTYPE = {"prompts": 1, "group_size": 8, "max_new_tokens": 128}
+# the measured rollout's rows (decoding's rate per token depends on them), a quarter of its length
+PROTOTYPE = {"prompts": 2, "group_size": 16, "max_new_tokens": 128}
 SETTINGS = ("real_paper", "real_calibrated", "synthetic_paper", "synthetic_calibrated")
 
 
@@ -183,9 +187,12 @@ def weighted_gradients(model, batch: dict, weights: dict[str, torch.Tensor], tem
     return acc
 
 
-def compared(grad: torch.Tensor, ref: torch.Tensor) -> dict:
-    """The cosine of a gradient with the trainer's-pi_old gradient and their norm ratio (float64 sums)."""
-    dot, a, b = (torch.dot(x.double(), y.double()).item() for x, y in ((grad, ref), (grad, grad), (ref, ref)))
+def compared(grad: torch.Tensor, ref: torch.Tensor, chunk: int = 1 << 20) -> dict:
+    """The cosine of a gradient with the trainer's-pi_old gradient and their norm ratio (float64 sums,
+    a chunk at a time: a float64 copy of a whole gradient is 1 GiB for SmolLM2)."""
+    def dot(x, y):
+        return sum(torch.dot(x[i:i + chunk].double(), y[i:i + chunk].double()).item() for i in range(0, len(x), chunk))
+    dot, a, b = dot(grad, ref), dot(grad, grad), dot(ref, ref)
     return {"cosine": dot / math.sqrt(a * b) if a > 0 and b > 0 else None,
             "norm_ratio": math.sqrt(a / b) if b > 0 else None}
 
