@@ -1910,7 +1910,7 @@ def test_the_data_example_runs_the_tutorials_command():
 # --- provenance of the committed results ------------------------------------------------------------
 KEPT_COPIES = ("figures/figures_earlier_runs.json", "figures/pretrained_missed_goal.json",
                "figures/pretrained_previous_rollout.json", "figures/long_earlier_runs.json")   # earlier results kept beside their remake
-NOT_MADE_YET: tuple[str, ...] = ("figures/mechanism_smollm2.json",)   # a design to come
+NOT_MADE_YET: tuple[str, ...] = ()           # a target's PNG not drawn yet, its JSON holding only its design
 
 
 def test_every_committed_result_says_where_and_from_what_tree_it_was_made():
@@ -2860,6 +2860,16 @@ def test_one_backward_pass_per_response_gives_every_settings_gspo_gradient():
     assert torch.allclose(trainer, -adv.double() / 8)                  # s = 1: nothing clips (the loss is -J)
     assert smollm2_step.compared(mine["x"], mine["x"])["cosine"] == pytest.approx(1.0)
     assert smollm2_step.compared(2 * mine["x"], mine["x"])["norm_ratio"] == pytest.approx(2.0)
+
+
+def test_the_committed_smollm2_step_design_is_the_one_the_code_fixes_and_fits_its_budget():
+    record = common.read_json(os.path.join(HERE, "figures", "mechanism_smollm2.json"))
+    assert record["step"] == json.loads(json.dumps(smollm2_step.STEP)) and record["prototype_size"] == smollm2_step.PROTOTYPE
+    assert record["projection"] == json.loads(json.dumps(smollm2_step.projection(record["prototype"], record["decode_speed"])))
+    assert record["projection"]["fits"] and record["prototype"]["peak_rss_mb"] < smollm2_step.STEP["peak_rss_goal_mb"]
+    assert record["prototype"]["part_settings"]["size"] == smollm2_step.size_of("step")      # the measured size
+    if not record["seeds"]:                                          # the design and its prototype only
+        assert record["pooled"] == {} and not record["dirty"]
 
 
 def test_the_pooled_comparison_adds_up_the_seeds_and_agrees_within_two_lens_deviations():
