@@ -1660,8 +1660,9 @@ def calibrated_band(mask: torch.Tensor, cfg: Config, eps_low, eps_high):
 def record_engine_gap(cfg: Config, logp_trainer, logp_record, mask, eps_low, eps_high) -> dict:
     """Add minibatch 1's gaps to --eps-engine's pooled sums and return the step's metrics: the
     estimates the step's band used (`engine_k_hat`, `engine_k_hat_mean` = -mean d, `engine_sigma_hat`;
-    absent at the first step) and the medians of its band on log s (`engine_band_log_low`,
-    `engine_band_log_high`, per response). {} without the flag."""
+    absent at the first step) and the medians over responses of its band on log s: each edge
+    (`engine_band_log_low`, `engine_band_log_high`) and its width (`engine_band_width`: the width
+    at the median length, where the edges' medians may come from two responses). {} without the flag."""
     if cfg.eps_engine is None:
         return {}
     state = engine_gap_state(cfg)
@@ -1670,7 +1671,8 @@ def record_engine_gap(cfg: Config, logp_trainer, logp_record, mask, eps_low, eps
         out.update(engine_k_hat=est[0], engine_k_hat_mean=-state[1] / state[0], engine_sigma_hat=est[1])
     lo = torch.log1p(-torch.as_tensor(eps_low, dtype=torch.float64))
     hi = torch.log1p(torch.as_tensor(eps_high, dtype=torch.float64))
-    out.update(engine_band_log_low=lo.median().item(), engine_band_log_high=hi.median().item())
+    out.update(engine_band_log_low=lo.median().item(), engine_band_log_high=hi.median().item(),
+               engine_band_width=(hi - lo).median().item())
     d = (logp_trainer.double() - logp_record.double())[mask]
     state[0], state[1], state[2] = state[0] + d.numel(), state[1] + d.sum().item(), state[2] + (d * d).sum().item()
     return out

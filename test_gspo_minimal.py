@@ -1652,6 +1652,8 @@ def test_a_calibrated_band_moves_with_the_estimate_from_the_second_step_on(tmp_p
     _, (banded, _) = synthetic_runs(tmp_path, "0.01,0.05", extra=["--eps-engine", "2"])
     rl = [r for r in banded if r["stage"] == "rl"]
     assert "engine_k_hat" not in rl[0] and rl[0]["engine_band_log_low"] == pytest.approx(math.log1p(-3e-4))
+    assert rl[0]["engine_band_width"] == pytest.approx(math.log1p(4e-4) - math.log1p(-3e-4), rel=1e-5)
+    assert rl[1]["engine_band_width"] > rl[0]["engine_band_width"] + 2 * 2 * rl[1]["engine_sigma_hat"] / 10   # n <= 100
     k, sigma = rl[1]["engine_k_hat"], rl[1]["engine_sigma_hat"]
     assert k == pytest.approx(sigma ** 2 / 2) and sigma == pytest.approx(0.05, rel=0.5)   # from one step's dozen tokens
     assert math.isfinite(rl[1]["engine_k_hat_mean"]) and rl[1]["engine_k_hat_mean"] != k

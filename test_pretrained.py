@@ -201,20 +201,48 @@ def test_a_seed_runs_update_with_every_answer_at_full_length_stays_within_the_me
     assert peak < MEMORY_GOAL_MB, f"the full-length update peaked at {peak:.0f} MiB"
 
 
-def test_the_smollm2_step_writes_its_prediction_before_it_scores_and_compares_the_gradients(smollm, tmp_path):
-    """make mechanism-smollm2's part at a tiny size on the real model, the bf16 copy's real record:
-    the prediction file exists with what the part returns, the shares are shares, the trainer's
-    pi_old gives s = 1 (its weights are -A / B), and the cosines are cosines."""
+def test_the_smollm2_step_writes_its_prediction_before_it_scores_and_compares_the_gradients(smollm, tmp_path,
+                                                                                            monkeypatch):
+    """make mechanism-smollm2's part at a tiny size on the real model, the bf16 copy's real record, with
+    a reward that splits the group (the real one rarely does at 8 tokens): the prediction file exists,
+    with what the part returns, before the first clip count; the shares are shares; the trainer's
+    pi_old has a gradient and every setting's cosine with it is a cosine."""
+    import hashlib
     from studies import smollm2_step
+    monkeypatch.setattr(smollm2_step, "smollm2_rollout", split_rewards(smollm2_step.smollm2_rollout))
+    seen = []
+    real_clip_shares = smollm2_step.clip_shares
+
+    def clip_shares(*args):
+        seen.append(os.path.exists(os.path.join(tmp_path, "prediction_s0.json")))
+        return real_clip_shares(*args)
+    monkeypatch.setattr(smollm2_step, "clip_shares", clip_shares)
     size = {"prompts": 1, "group_size": 4, "max_new_tokens": 8}
     part = smollm2_step.step_part(0, size, str(tmp_path))
-    with open(part["prediction_file"]) as f:
-        assert json.load(f)["prediction"] == json.loads(json.dumps(part["prediction"]))
+    assert seen == [True] * 4                                           # written before any scoring
+    with open(part["prediction_file"], "rb") as f:
+        raw = f.read()
+    assert hashlib.sha256(raw).hexdigest() == part["prediction_sha256"]
+    assert json.loads(raw)["prediction"] == json.loads(json.dumps(part["prediction"]))
+    assert part["prediction_written_at"] <= part["scoring_finished_at"]
     assert part["responses"] == 4 and part["answer_tokens"] <= 32 and part["decode_tokens_per_second"] > 0
     assert part["gaps"]["real"]["kl_per_token"] > 0 and part["gaps"]["real"]["sigma_hat"] > 0
+    assert part["responses_with_gradient_trainer"] == part["n_pos"] + part["n_neg"] == 4
     for setting in smollm2_step.SETTINGS:
         m = part["measured"][setting]
         for side in ("pos", "neg"):
             assert m[f"n_seqs_{side}"] == part[f"n_{side}"] and 0 <= m[f"n_clip_seqs_{side}"] <= m[f"n_seqs_{side}"]
-        if part["responses_with_gradient_trainer"] and m["cosine"] is not None:
-            assert -1 - 1e-6 <= m["cosine"] <= 1 + 1e-6 and m["norm_ratio"] >= 0
+        if m["responses_with_gradient"]:
+            assert -1 - 1e-6 <= m["cosine"] <= 1 + 1e-6 and m["norm_ratio"] > 0
+        else:
+            assert m["norm_ratio"] == 0 and m["cosine"] is None
+
+
+def split_rewards(rollout):
+    """smollm2_rollout with rewards 1, 0, 1, 0, ... in each group, so that every answer has A != 0."""
+    def wrapped(model, tok, seed, size):
+        batch, roll = rollout(model, tok, seed, size)
+        batch["rewards"] = torch.tensor([float(i % 2 == 0) for i in range(len(batch["rewards"]))])
+        batch["advantages"] = g.group_advantages(batch["rewards"], size["group_size"])
+        return batch, roll
+    return wrapped

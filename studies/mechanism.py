@@ -464,9 +464,9 @@ REM_RULE = (MECH_RULE.replace("pairs its GSPO and GRPO runs of a seed (the same 
                      "largest measured here or in mechanism.json's cells"))
 WIDEN_RULE = ("control_widen's band: the paper's band on log s widened on each side by half of (W - W_paper), W "
               "the median over real_bf16_calibrated's five runs of each run's median over its steps 2-70 of "
-              "engine_band_log_high - engine_band_log_low (the band's width for a median response; step 1 is the "
-              "paper's), W_paper = log(1 + 4e-4) - log(1 - 3e-4): as wide as the calibrated band, centred where "
-              "the paper's is (on zero to within 5e-5), with the trainer's pi_old")
+              "engine_band_width (the band's width at the median length; step 1 is the paper's), W_paper = "
+              "log(1 + 4e-4) - log(1 - 3e-4): as wide as the calibrated band, centred where the paper's is (on "
+              "zero to within 5e-5), with the trainer's pi_old")
 
 
 def rem_flags(name: str, mech: dict, band: dict, widen: dict | None) -> list[str]:
@@ -530,7 +530,7 @@ def rem_record(name: str, cell: str, seed: int, rl_seed: int) -> dict:
     later = [r for r in rl if "engine_k_hat" in r]
     if later:
         rec.update({k: later[-1][k] for k in ("engine_k_hat", "engine_k_hat_mean", "engine_sigma_hat")})
-        rec["band_width_median"] = statistics.median(r["engine_band_log_high"] - r["engine_band_log_low"] for r in later)
+        rec["band_width_median"] = statistics.median(r["engine_band_width"] for r in later)
     return rec
 
 
@@ -558,6 +558,18 @@ def mech_accuracies(mech: dict) -> tuple[dict, list[float]]:
         acc.setdefault(r["cell"], {"gspo": {}, "grpo": {}, "noise": {}})[slot][r["seed"]] = r["accuracy_after_rl"]
     noises = [v["noise"] for v in mech["cells"].values() if v.get("noise_from") == "its own second RL streams"]
     return acc, noises
+
+
+def pairing_problems(records: list[dict], mech: dict) -> list[str]:
+    """The remedy's runs are paired with mechanism.json's by seed: each must start from the warm-up its
+    reference started from (a warm-up made again, on another host, would start another run). Checked
+    on accuracy_before_rl and val_acc_at_rl_start, which every run of a warm-up shares."""
+    start = {}
+    for r in mech["runs"]:
+        start.setdefault(r["seed"], (r["accuracy_before_rl"], r["val_acc_at_rl_start"]))
+    return [f"{r['name']}: starts at {(r['accuracy_before_rl'], r['val_acc_at_rl_start'])}, mechanism.json's seed "
+            f"{r['seed']} at {start.get(r['seed'])}" for r in records
+            if start.get(r["seed"]) != (r["accuracy_before_rl"], r["val_acc_at_rl_start"])]
 
 
 def rem_verdicts(design: dict, acc: dict, mech_acc: dict, mech_noises: list[float]) -> dict:
@@ -611,15 +623,16 @@ def rem_prototype(design: dict) -> dict:
 
 
 def rem_write_design() -> dict:
-    """mechanism_remedy.json before any run: the design, the prototype's timings and the projection;
-    one holding runs made under another design is never overwritten."""
+    """mechanism_remedy.json before any run: the design, the prototype's timings and the projection.
+    A file holding this design is returned as it stands (its control_widen_band kept); one holding
+    another design is never overwritten, runs or not."""
     d = rem_design()
-    kept = kept_design(REM_JSON, d)
-    if kept is not None:
-        return kept
-    old = read_json(REM_JSON) if os.path.exists(REM_JSON) else {}
-    timing = old.get("prototype") if old.get("design") == json.loads(json.dumps(d, allow_nan=False)) else None
-    timing = timing or rem_prototype(d)
+    if os.path.exists(REM_JSON):
+        old = read_json(REM_JSON)
+        if old.get("design") != json.loads(json.dumps(d, allow_nan=False)):
+            fail(f"{REM_JSON} holds another design than the code's; move it away to write this one")
+        return old
+    timing = rem_prototype(d)
     proj = rem_projection(d, timing)
     if not proj["fits"]:
         fail(f"the projected {proj['seconds'] / 60:.0f} min do not fit {PROJECTION_MARGIN:.0%} of the budget")
@@ -660,6 +673,11 @@ def figures_remedy() -> dict:
         ledger.close()
     record["design"] = rem_design()                       # as committed: WIDEN's value stands in control_widen_band
     record["runs"], acc = rem_collect(d)
+    problems = pairing_problems(record["runs"], mech)
+    if problems:
+        fail("runs not paired with their references' warm-ups (move runs/remedy away to start over): "
+             + "; ".join(problems[:3]))
+    record["pairing"] = "every run starts where mechanism.json's runs of its seed start (pairing_problems)"
     record["cells"] = rem_verdicts(d, acc, mech_acc, mech_noises)
     record["figures_remedy_seconds"] = ledger.total()
     return record
