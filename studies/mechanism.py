@@ -688,6 +688,17 @@ def mech_jobs_in(design: dict, cells, seeds, noise: bool = False) -> list[dict]:
     return engine.em_jobs(design, cells, seeds, noise, folder=REM_RUNS, noise_offset=MECH_NOISE_OFFSET)
 
 
+def print_verdicts(cells: dict, path: str) -> None:
+    """One line per cell: its deciding comparison by seed, median, noise and verdict; then the file."""
+    num = lambda x: "none" if x is None else f"{x:+.3f}"
+    for cell, v in cells.items():
+        diffs = ", ".join(num(x) for x in v["differences_by_seed"].values())
+        noise = "none" if v["noise"] is None else f"{v['noise']:.3f}"
+        print(f"{cell:28s} {v['decided_by']:52s} {diffs} | median {num(v['median_difference'])}, noise "
+              f"{noise} | {'separates' if v['separates'] else 'does not separate'}")
+    print(path)
+
+
 @cli
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
@@ -705,11 +716,7 @@ def main(argv=None) -> int:
         record = figures_remedy()
         write_json(REM_JSON, {k: v for k, v in record.items() if k not in PROVENANCE},
                    "python studies/mechanism.py remedy", record["figures_remedy_seconds"])
-        for cell, v in record["cells"].items():
-            diffs = ", ".join(f"{x:+.3f}" for x in v["differences_by_seed"].values())
-            print(f"{cell:28s} {v['decided_by']:52s} {diffs} | median {v['median_difference']:+.3f}, noise "
-                  f"{v['noise']} | {'separates' if v['separates'] else 'does not separate'}")
-        print(REM_JSON)
+        print_verdicts(record["cells"], REM_JSON)
         return 0
     if what == "design":
         record = mech_write_design()
@@ -719,11 +726,7 @@ def main(argv=None) -> int:
     if what == "figures":
         record = figures_mechanism()
         write_json(MECH_JSON, record, "python studies/mechanism.py figures", record["figures_mechanism_seconds"])
-        for cell, v in record["cells"].items():
-            diffs = ", ".join(f"{x:+.3f}" for x in v["gspo_minus_grpo_by_seed"].values())
-            print(f"{cell:18s} GSPO - GRPO {diffs} | median {v['median_difference']:+.3f}, noise {v['noise']} | "
-                  f"{'separates' if v['separates'] else 'does not separate'}")
-        print(MECH_JSON)
+        print_verdicts(record["cells"], MECH_JSON)
         return 0
     res = calibrate()
     write_json(CAL_JSON, res, "python studies/mechanism.py calibrate", res.pop("seconds_total"))
