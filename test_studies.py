@@ -2773,6 +2773,49 @@ def test_a_remedy_run_from_another_warm_up_than_its_reference_is_refused():
     assert len(mechanism.pairing_problems(other, mech)) == 1 and "b_s1" in mechanism.pairing_problems(other, mech)[0]
 
 
+def test_figures_remedy_writes_control_widens_band_before_its_runs_and_checks_the_pairing(tmp_path, monkeypatch):
+    """The target's order with its runs faked: phase 1, control_widen's band written into the JSON,
+    phase 2 with that band's flags, the second streams of the cells whose signs agree, the verdicts."""
+    path = tmp_path / "remedy.json"
+    path.write_text(open(os.path.join(HERE, "figures", "mechanism_remedy.json")).read())
+    monkeypatch.setattr(mechanism, "REM_JSON", str(path))
+    monkeypatch.setattr(mechanism, "REM_RUNS", str(tmp_path / "runs"))
+    mech = common.read_json(os.path.join(HERE, "figures", "mechanism.json"))
+    start = {r["seed"]: (r["accuracy_before_rl"], r["val_acc_at_rl_start"]) for r in mech["runs"]}
+    ran = []
+
+    def run_jobs(jobs, folder, workers=2):
+        names = [j["name"] for j in jobs]
+        if any(n.startswith("control_widen") for n in names):
+            assert common.read_json(str(path))["control_widen_band"] is not None      # written before
+            assert all("--eps-low" in j["cmd"] and "WIDEN" not in j["cmd"] for j in jobs)
+        ran.append(names)
+    paper = math.log1p(4e-4) - math.log1p(-3e-4)
+
+    def rem_collect(d):
+        cells = [c for c in d["cells"] if any(n.startswith(c + "_gspo") for batch in ran for n in batch)]
+        recs = [{"name": f"{c}_gspo_s{s}", "cell": c, "seed": s, "rl_seed": s, "accuracy_before_rl": start[s][0],
+                 "val_acc_at_rl_start": start[s][1], "accuracy_after_rl": 0.5 + 0.1 * (c == "real_bf16_calibrated"),
+                 "band_width_median": paper + 0.02} for c in cells for s in d["seeds"]]
+        acc = {c: {"gspo": {r["seed"]: r["accuracy_after_rl"] for r in recs if r["cell"] == c}, "noise": {}}
+               for c in d["cells"]}
+        return recs, acc
+    monkeypatch.setattr(mechanism, "run_jobs", run_jobs)
+    monkeypatch.setattr(mechanism, "rem_collect", rem_collect)
+    record = mechanism.figures_remedy()
+    assert [n for n in ran[1] if n.startswith("control_widen")] == [f"control_widen_gspo_s{s}" for s in range(5)]
+    assert not any(n.startswith("control_widen") for n in ran[0]) and len(ran) == 3
+    assert record["control_widen_band"]["half_widening"] == pytest.approx(0.01)
+    assert record["design"] == common.read_json(os.path.join(HERE, "figures", "mechanism_remedy.json"))["design"]
+    assert set(record["cells"]) == set(record["design"]["decided_cells"])
+    assert all(n.endswith(tuple(f"_rl{100 + s}" for s in range(5))) for n in ran[2])     # second streams
+    mech["runs"] = [{**r, "accuracy_before_rl": 0.9} for r in mech["runs"]]             # another warm-up
+    monkeypatch.setattr(mechanism, "read_json", lambda p: mech if p == mechanism.MECH_JSON else common.read_json(p))
+    ran.clear()
+    with pytest.raises(common.StudyFailed, match="not paired"):
+        mechanism.figures_remedy()
+
+
 def test_the_remedy_json_is_never_rewritten_under_another_design(tmp_path, monkeypatch):
     path = tmp_path / "remedy.json"
     monkeypatch.setattr(mechanism, "REM_JSON", str(path))

@@ -572,6 +572,13 @@ def pairing_problems(records: list[dict], mech: dict) -> list[str]:
             if start.get(r["seed"]) != (r["accuracy_before_rl"], r["val_acc_at_rl_start"])]
 
 
+def check_pairing(records: list[dict], mech: dict) -> None:
+    problems = pairing_problems(records, mech)
+    if problems:
+        fail("runs not paired with their references' warm-ups (move runs/remedy away to start over): "
+             + "; ".join(problems[:3]))
+
+
 def rem_verdicts(design: dict, acc: dict, mech_acc: dict, mech_noises: list[float]) -> dict:
     """The rule per decided cell: GSPO(cell) - GSPO(reference) seed by seed; the noise its own second
     streams' or the largest measured here or in mechanism.json; with gspo(cell) - grpo(reference)."""
@@ -657,6 +664,7 @@ def figures_remedy() -> dict:
         warm = [regimes.warmup_job("dense", s) for s in MECH_SEEDS]
         run_jobs(warm + mech_jobs_in(d, phase1, MECH_SEEDS), REM_RUNS)
         records, _ = rem_collect(d)
+        check_pairing(records, mech)
         band = record["control_widen_band"] or widen_band(records)
         if record["control_widen_band"] is None:             # written before control_widen's runs
             record["control_widen_band"] = band
@@ -673,10 +681,7 @@ def figures_remedy() -> dict:
         ledger.close()
     record["design"] = rem_design()                       # as committed: WIDEN's value stands in control_widen_band
     record["runs"], acc = rem_collect(d)
-    problems = pairing_problems(record["runs"], mech)
-    if problems:
-        fail("runs not paired with their references' warm-ups (move runs/remedy away to start over): "
-             + "; ".join(problems[:3]))
+    check_pairing(record["runs"], mech)
     record["pairing"] = "every run starts where mechanism.json's runs of its seed start (pairing_problems)"
     record["cells"] = rem_verdicts(d, acc, mech_acc, mech_noises)
     record["figures_remedy_seconds"] = ledger.total()
