@@ -158,6 +158,17 @@ def write_json(path: str, data: dict, command: str, seconds: float) -> None:
     rewrite_json(path, {**g.provenance(command, seconds, tree), **data})
 
 
+# The keys write_json adds: a record read back and written again drops its own, so that the new ones stand.
+PROVENANCE = ("command", "seconds", "measured_at_commit", "dirty", "dirty_paths", "versions", "threads", "host",
+              "provenance_note")
+
+
+def write_result(path: str, record: dict, command: str, seconds: float) -> None:
+    """write_json of a target's record as it ends: its earlier provenance (that of its design, written
+    before the runs) replaced by this invocation's."""
+    write_json(path, {k: v for k, v in record.items() if k not in PROVENANCE}, command, seconds)
+
+
 def kept_design(path: str, design: dict) -> dict | None:
     """A design-first target's result file (`path`) as it stands, when it already holds runs made
     under `design`; None when there is none or it holds no runs (the caller writes the design); a

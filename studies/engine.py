@@ -49,7 +49,7 @@ import torch  # noqa: E402
 import gspo_minimal as g  # noqa: E402
 from studies.common import (Ledger, Parser, bootstrap_slopes, cli, fail, in_own_process,  # noqa: E402
                             kept_design, kept_part, load_checkpoint, paired_differences, read_json,
-                            reuse_problem, run_jobs, script_job, smollm_gguf, write_json)
+                            reuse_problem, run_jobs, script_job, smollm_gguf, write_json, write_result)
 
 # The files this target writes into figures/ (left out of its dirty check).
 OUTPUTS = ("figures/engine.json", "figures/engine.png", "figures/engine_prototype.json",
@@ -761,9 +761,8 @@ def figures_engine(confirm: bool = False) -> dict:
     else:
         record["figures_engine_seconds"] = ledger.total()
     record["separating_cells"] = [c for c, v in record["cells"].items() if v["separates"]]
-    provenance = ("command", "seconds", "measured_at_commit", "dirty", "dirty_paths", "versions", "threads", "host")
-    write_json(EM_JSON, {k: v for k, v in record.items() if k not in provenance},
-               "python studies/engine.py figures" + (" --confirm" if confirm else ""), record["figures_engine_seconds"])
+    write_result(EM_JSON, record, "python studies/engine.py figures" + (" --confirm" if confirm else ""),
+                 record["figures_engine_seconds"])
     plot_engine_map(record)
     for cell, v in record["cells"].items():
         diffs = ", ".join(f"{x:+.3f}" for x in v["differences_by_seed"].values())

@@ -35,7 +35,7 @@ import gspo_minimal as g  # noqa: E402
 from studies.common import (FIG_DIR, Ledger, Parser, cli, cluster_bootstrap, fail,  # noqa: E402
                             firth_logistic, kept_design, mcnemar_exact, paired_permutation_p, read_json,
                             read_summary, rewrite_json, run_jobs, script_job, sign_test,
-                            smallest_significant_split, write_json)
+                            smallest_significant_split, write_json, write_result)
 from studies.map import COLLAPSE, is_collapsed, run_basics, warm_path, warmup_job  # noqa: E402
 
 # The files this target writes into figures/ (left out of its dirty check).
@@ -77,8 +77,6 @@ LOSSES = ("gspo", "grpo")
 # there, clean). Later commits refactored the code without changing what it computes, fixed the
 # plot, and added the update-size summary (`update_size_reading` says when).
 DESIGN_COMMIT = "254a1156e3d1d149d1efb8eebf5c613ca5a4ddf2"
-PROVENANCE = ("command", "seconds", "measured_at_commit", "dirty", "dirty_paths", "versions", "threads", "host",
-              "provenance_note")
 
 
 def cells(shift: dict | None = None) -> dict:
@@ -492,8 +490,7 @@ def figures_frontier() -> dict:
                       for name, c in cell_map.items() for seed in seeds for loss in LOSSES]
     analyse(record)
     record["figures_frontier_seconds"] = ledger.total()
-    write_json(FRONTIER_JSON, {k: v for k, v in record.items() if k not in PROVENANCE},
-               "python studies/frontier.py", record["figures_frontier_seconds"])
+    write_result(FRONTIER_JSON, record, "python studies/frontier.py", record["figures_frontier_seconds"])
     plot(record)
     t = record["test"]
     print(f"discordant pairs: only GRPO collapsed {t['only_grpo_collapsed']}, only GSPO {t['only_gspo_collapsed']}; "

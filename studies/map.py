@@ -37,7 +37,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from studies import common  # noqa: E402
 from studies.common import (FIG_DIR, FIG_STEPS, SEEDS, Ledger, Parser, cli, common_sign, fail,  # noqa: E402
                             kept_design, paired_differences, read_json, read_metrics, read_summary, rewrite_json, run_jobs,
-                            script_job, second_stream_noise, warm_start, warm_start_argv, write_json)
+                            script_job, second_stream_noise, warm_start, warm_start_argv, write_json, write_result)
 from studies.long import LONG_STEPS, warm_dir as long_warm_dir  # noqa: E402
 
 # The files this target writes into figures/: its own outputs, left out of its dirty check
@@ -84,8 +84,6 @@ CELLS = {"base": ("dense", []),
          "bf16_sampler_deep_hot": ("dense", BF16 + FROM_SAMPLER + DEEP + HOT),
          "addwork_deep_hot": ("addwork", DEEP + HOT)}
 TASK_OF = {"dense": "add2", "moe": "add2", "addwork": "addwork"}
-PROVENANCE = ("command", "seconds", "measured_at_commit", "dirty", "dirty_paths", "versions", "threads", "host",
-              "provenance_note")
 NOISE_FIRST = ("base", "addwork_deep_hot")   # each task's noise is measured up front in these
 CLIP_RUNS = "runs/map_clip"
 CLIP_CELLS = ("bf16_trainer", "bf16_sampler")   # the same bf16 sampler, pi_old from each engine
@@ -457,8 +455,8 @@ def figures_map(confirm: bool = False) -> dict:
     else:
         record["figures_map_seconds"] = ledger.total()
     ledger.close()                                        # the summary's seconds counted too
-    write_json(MAP_JSON, {k: v for k, v in record.items() if k not in PROVENANCE},
-               "python studies/map.py" + (" --confirm" if confirm else ""), record["figures_map_seconds"])
+    write_result(MAP_JSON, record, "python studies/map.py" + (" --confirm" if confirm else ""),
+                 record["figures_map_seconds"])
     plot_map(plt, record)
     plt.close("all")
     print_map(record)

@@ -64,7 +64,8 @@ import torch  # noqa: E402
 
 import gspo_minimal as g  # noqa: E402
 from studies.common import (Ledger, Parser, cli, common_sign, fail, kept_design, paired_differences,  # noqa: E402
-                            read_json, rewrite_json, run_jobs, script_job, second_stream_noise, write_json)
+                            read_json, rewrite_json, run_jobs, script_job, second_stream_noise, write_json,
+                            write_result)
 
 OUTPUTS = ("figures/mechanism_calibration.json", "figures/mechanism.json", "figures/mechanism_remedy.json")
 CAL_JSON = "figures/mechanism_calibration.json"
@@ -440,7 +441,6 @@ def figures_mechanism() -> dict:
 # is read from the first phase's runs.
 # ---------------------------------------------------------------------------------------------
 REM_JSON = "figures/mechanism_remedy.json"
-PROVENANCE = ("command", "seconds", "measured_at_commit", "dirty", "dirty_paths", "versions", "threads", "host")
 REM_RUNS = "runs/remedy"
 REM_Z = 1.96                            # the calibrated band's Z: 95% of the engine's noise inside it at theta_old
 REM_BUDGET_SECONDS = 60 * 60
@@ -719,8 +719,7 @@ def main(argv=None) -> int:
         return 0
     if what == "remedy":
         record = figures_remedy()
-        write_json(REM_JSON, {k: v for k, v in record.items() if k not in PROVENANCE},
-                   "python studies/mechanism.py remedy", record["figures_remedy_seconds"])
+        write_result(REM_JSON, record, "python studies/mechanism.py remedy", record["figures_remedy_seconds"])
         print_verdicts(record["cells"], REM_JSON)
         return 0
     if what == "design":
@@ -730,7 +729,7 @@ def main(argv=None) -> int:
         return 0
     if what == "figures":
         record = figures_mechanism()
-        write_json(MECH_JSON, record, "python studies/mechanism.py figures", record["figures_mechanism_seconds"])
+        write_result(MECH_JSON, record, "python studies/mechanism.py figures", record["figures_mechanism_seconds"])
         print_verdicts(record["cells"], MECH_JSON)
         return 0
     res = calibrate()

@@ -58,7 +58,7 @@ import torch  # noqa: E402
 
 import gspo_minimal as g  # noqa: E402
 from studies.common import (Parser, cli, fail, in_own_process, kept_part, logprobs_in_chunks, read_json,  # noqa: E402
-                            smollm_gguf, write_json)
+                            smollm_gguf, write_json, write_result)
 
 OUTPUTS = ("figures/mechanism_smollm2.json",)
 STEP_JSON = "figures/mechanism_smollm2.json"
@@ -430,9 +430,7 @@ def main(argv=None) -> int:
               f"{r['projection']['seconds'] / 60:.0f} min of {STEP['budget_seconds'] // 60}")
         return 0
     record = mechanism_smollm2()
-    write_json(STEP_JSON, {k: v for k, v in record.items() if k not in (
-        "command", "seconds", "measured_at_commit", "dirty", "dirty_paths", "versions", "threads", "host")},
-        "python studies/smollm2_step.py", record["mechanism_smollm2_seconds"])
+    write_result(STEP_JSON, record, "python studies/smollm2_step.py", record["mechanism_smollm2_seconds"])
     num = lambda x: "none" if x is None else f"{x:.3f}"
     for s, row in record["pooled"].items():
         print(f"{s:22s} " + " | ".join(f"A{'>' if side == 'pos' else '<'}0 ({row[side]['responses']}): measured "
