@@ -1910,7 +1910,7 @@ def test_the_data_example_runs_the_tutorials_command():
 # --- provenance of the committed results ------------------------------------------------------------
 KEPT_COPIES = ("figures/figures_earlier_runs.json", "figures/pretrained_missed_goal.json",
                "figures/pretrained_previous_rollout.json", "figures/long_earlier_runs.json")   # earlier results kept beside their remake
-NOT_MADE_YET: tuple[str, ...] = ()           # a target's PNG not drawn yet, its JSON holding only its design
+NOT_MADE_YET: tuple[str, ...] = ("figures/mechanism_remedy.json",)   # its design, written next
 
 
 def test_every_committed_result_says_where_and_from_what_tree_it_was_made():
@@ -2679,10 +2679,8 @@ def test_the_committed_mechanism_cells_come_again_from_its_runs():
     record = common.read_json(os.path.join(HERE, "figures", "mechanism.json"))
     if not record["runs"]:
         pytest.skip("mechanism.json holds its design only")
-    acc = {c: {"gspo": {}, "grpo": {}, "noise": {}} for c in record["design"]["cells"]}
-    for r in record["runs"]:
-        slot = r["loss"] if r["rl_seed"] == r["seed"] else "noise"         # GSPO's second RL stream
-        acc[r["cell"]][slot][r["seed"]] = r["accuracy_after_rl"]
+    acc, _ = mechanism.mech_accuracies(record)                         # by cell, slot and seed
+    assert set(acc) == set(record["design"]["cells"])
     again = json.loads(json.dumps(mechanism.mech_verdicts(acc)))
     for cell, v in record["cells"].items():
         assert {k: x for k, x in v.items() if k != "collapses"} == again[cell], cell
@@ -2729,7 +2727,8 @@ def test_the_remedy_design_decides_six_cells_against_their_references_under_the_
     band = {"eps_low": 0.01, "eps_high": 0.012}
     cells["control_widen"]["flags"] = mechanism.rem_flags("control_widen", mech, wide, band)
     parser = g.build_parser()
-    jobs = mechanism.mech_jobs_in(d, list(cells), d["seeds"]) + mechanism.mech_jobs_in(d, ["trl_route"], [0], noise=True)
+    jobs = (mechanism.mech_jobs(d, list(cells), d["seeds"], folder=mechanism.REM_RUNS)
+            + mechanism.mech_jobs(d, ["trl_route"], [0], noise=True, folder=mechanism.REM_RUNS))
     assert len(jobs) == 7 * 5 + 1 and all(j["cmd"][j["cmd"].index("--out") + 1].startswith("runs/remedy/") for j in jobs)
     for job in jobs:
         cfg = parser.parse_args(job["cmd"][2:])
@@ -2777,7 +2776,8 @@ def test_figures_remedy_writes_control_widens_band_before_its_runs_and_checks_th
     """The target's order with its runs faked: phase 1, control_widen's band written into the JSON,
     phase 2 with that band's flags, the second streams of the cells whose signs agree, the verdicts."""
     path = tmp_path / "remedy.json"
-    path.write_text(open(os.path.join(HERE, "figures", "mechanism_remedy.json")).read())
+    design = json.loads(json.dumps(mechanism.rem_design()))
+    path.write_text(json.dumps({"design": design, "control_widen_band": None, "runs": [], "cells": {}}))
     monkeypatch.setattr(mechanism, "REM_JSON", str(path))
     monkeypatch.setattr(mechanism, "REM_RUNS", str(tmp_path / "runs"))
     mech = common.read_json(os.path.join(HERE, "figures", "mechanism.json"))
@@ -2792,7 +2792,7 @@ def test_figures_remedy_writes_control_widens_band_before_its_runs_and_checks_th
         ran.append(names)
     paper = math.log1p(4e-4) - math.log1p(-3e-4)
 
-    def rem_collect(d):
+    def mech_collect(d, folder):
         cells = [c for c in d["cells"] if any(n.startswith(c + "_gspo") for batch in ran for n in batch)]
         recs = [{"name": f"{c}_gspo_s{s}", "cell": c, "seed": s, "rl_seed": s, "accuracy_before_rl": start[s][0],
                  "val_acc_at_rl_start": start[s][1], "accuracy_after_rl": 0.5 + 0.1 * (c == "real_bf16_calibrated"),
@@ -2801,12 +2801,12 @@ def test_figures_remedy_writes_control_widens_band_before_its_runs_and_checks_th
                for c in d["cells"]}
         return recs, acc
     monkeypatch.setattr(mechanism, "run_jobs", run_jobs)
-    monkeypatch.setattr(mechanism, "rem_collect", rem_collect)
+    monkeypatch.setattr(mechanism, "mech_collect", mech_collect)
     record = mechanism.figures_remedy()
     assert [n for n in ran[1] if n.startswith("control_widen")] == [f"control_widen_gspo_s{s}" for s in range(5)]
     assert not any(n.startswith("control_widen") for n in ran[0]) and len(ran) == 3
     assert record["control_widen_band"]["half_widening"] == pytest.approx(0.01)
-    assert record["design"] == common.read_json(os.path.join(HERE, "figures", "mechanism_remedy.json"))["design"]
+    assert record["design"] == design                                  # control_widen's band is not written into it
     assert set(record["cells"]) == set(record["design"]["decided_cells"])
     assert all(n.endswith(tuple(f"_rl{100 + s}" for s in range(5))) for n in ran[2])     # second streams
     mech["runs"] = [{**r, "accuracy_before_rl": 0.9} for r in mech["runs"]]             # another warm-up

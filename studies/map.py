@@ -251,12 +251,13 @@ def run_record(name: str, cell: str, seed: int, rl_seed: int, folder: str = MAP_
 # ---------------------------------------------------------------------------------------------
 # The decision rule (its statistics, shared with the other comparisons, in studies/common.py)
 # ---------------------------------------------------------------------------------------------
-def verdicts(after: dict, task_of: dict[str, str], seeds=SEEDS) -> dict:
+def verdicts(after: dict, task_of: dict[str, str], seeds=SEEDS, noise_elsewhere: dict[str, float] | None = None) -> dict:
     """The rule applied to `after[cell] = {"gspo": {seed: acc}, "grpo": {...}, "noise": {seed: acc}}`
     (noise: GSPO's second RL stream, where run). Per cell: the paired differences, their median and
-    common sign, the noise and where it came from, and `separates`."""
+    common sign, the noise and where it came from, and `separates`. `noise_elsewhere`: per task, the
+    largest noise measured by cells outside `after`, which the cells without their own may take."""
     own = {cell: second_stream_noise(a["gspo"], a.get("noise", {})) for cell, a in after.items()}
-    by_task: dict[str, float] = {}
+    by_task: dict[str, float] = dict(noise_elsewhere or {})
     for cell, n in own.items():
         if n is not None:
             by_task[task_of[cell]] = max(n, by_task.get(task_of[cell], 0.0))

@@ -355,11 +355,11 @@ def mech_write_design() -> dict:
     return record
 
 
-def mech_jobs(design: dict, cells, seeds, noise: bool = False) -> list[dict]:
-    """Each cell's GSPO and GRPO runs of `seeds` (with `noise`, GSPO's second RL streams), each
-    waiting for its warm-up: make figures-engine's jobs (`engine.em_jobs`), in this study's folder."""
+def mech_jobs(design: dict, cells, seeds, noise: bool = False, folder: str = MECH_RUNS) -> list[dict]:
+    """Each cell's runs of `seeds` (with `noise`, GSPO's second RL streams), each waiting for its
+    warm-up: make figures-engine's jobs (`engine.em_jobs`), in `folder` (the remedy's: REM_RUNS)."""
     from studies import engine
-    return engine.em_jobs(design, cells, seeds, noise, folder=MECH_RUNS, noise_offset=MECH_NOISE_OFFSET)
+    return engine.em_jobs(design, cells, seeds, noise, folder=folder, noise_offset=MECH_NOISE_OFFSET)
 
 
 def by_sign(rl: list[dict]) -> dict:
@@ -374,26 +374,35 @@ def by_sign(rl: list[dict]) -> dict:
             "clip_seqs_pos_adv_later": mean(later, 0), "clip_seqs_neg_adv_later": mean(later, 1)}
 
 
-def mech_record(name: str, cell: str, seed: int, rl_seed: int) -> dict:
+def mech_record(name: str, cell: str, seed: int, rl_seed: int, folder: str = MECH_RUNS) -> dict:
+    """A run's record: the map's basics, its clip shares by sign (`by_sign`), the means over steps of
+    the engine keys it logged, and, where its band was calibrated, the last step's estimates (K-hat
+    both ways, SIGMA-hat) and the median over steps 2+ of its width at the median length."""
     from studies import map as regimes
-    rec, rl = regimes.run_basics(name, MECH_RUNS, regimes.warm_path("dense", seed))
+    rec, rl = regimes.run_basics(name, folder, regimes.warm_path("dense", seed))
     rec.update({"cell": cell, "seed": seed, "rl_seed": rl_seed, **by_sign(rl),
                 **{k: statistics.fmean(r[k] for r in rl) for k in ("engine_log_s_mean", "engine_kl_tokens",
-                                                                    "engine_gap_seqs") if k in rl[0]}})
+                                                                    "engine_gap_seqs", "is_masked_tokens") if k in rl[0]}})
+    later = [r for r in rl if "engine_k_hat" in r]
+    if later:
+        rec.update({k: later[-1][k] for k in ("engine_k_hat", "engine_k_hat_mean", "engine_sigma_hat")})
+        rec["band_width_median"] = statistics.median(r["engine_band_width"] for r in later)
     return rec
 
 
-def mech_collect(design: dict) -> tuple[list[dict], dict]:
+def mech_collect(design: dict, folder: str = MECH_RUNS) -> tuple[list[dict], dict]:
+    """The records of every finished run of `design` in `folder`, and accuracy_after_rl by cell, slot
+    (its losses, and noise: GSPO's second RL stream) and seed."""
     from studies import engine
     records, acc = [], {}
-    for cell in design["cells"]:
+    for cell, c in design["cells"].items():
         a = {"gspo": {}, "grpo": {}, "noise": {}}
         for seed in design["seeds"]:
-            for loss, rl_seed, slot in (("gspo", seed, "gspo"), ("grpo", seed, "grpo"),
-                                        ("gspo", seed + MECH_NOISE_OFFSET, "noise")):
+            for loss, rl_seed, slot in [(loss, seed, loss) for loss in c["losses"]] + [
+                    ("gspo", seed + MECH_NOISE_OFFSET, "noise")]:
                 name = engine.em_run_name(cell, loss, seed, rl_seed)
-                if os.path.exists(os.path.join(MECH_RUNS, name, "summary.json")):
-                    records.append(mech_record(name, cell, seed, rl_seed))
+                if os.path.exists(os.path.join(folder, name, "summary.json")):
+                    records.append(mech_record(name, cell, seed, rl_seed, folder))
                     a[slot][seed] = records[-1]["accuracy_after_rl"]
         acc[cell] = a
     return records, acc
@@ -502,7 +511,7 @@ def rem_design(mech_json: str = MECH_JSON) -> dict:
                                    "at_least_one_of_these_cells": 1 - (15 / 16) ** len(decided),
                                    "at_least_one_with_the_mechanism_cells": 1 - (15 / 16) ** (len(decided) + len(mech["cells"])),
                                    "note": NULL_NOTE},
-            "analysis": "mechanism.rem_verdicts and mechanism.rem_record", "budget_seconds": REM_BUDGET_SECONDS,
+            "analysis": "mechanism.rem_verdicts and mechanism.mech_record", "budget_seconds": REM_BUDGET_SECONDS,
             "workers": 2, "threads_per_run": 1}
 
 
@@ -516,37 +525,6 @@ def widen_band(records: list[dict]) -> dict:
     return {"width_median": w, "width_paper": w_paper, "half_widening": half,
             "eps_low": 1 - (1 - 3e-4) * math.exp(-half), "eps_high": (1 + 4e-4) * math.exp(half) - 1,
             "from": "real_bf16_calibrated's runs: band_width_median", "rule": WIDEN_RULE}
-
-
-def rem_record(name: str, cell: str, seed: int, rl_seed: int) -> dict:
-    """mech_record's fields, and where the band is calibrated its estimates (the last step's K-hat
-    both ways and SIGMA-hat) and the median over steps 2+ of its width for a median response."""
-    from studies import map as regimes
-    rec, rl = regimes.run_basics(name, REM_RUNS, regimes.warm_path("dense", seed))
-    rec.update({"cell": cell, "seed": seed, "rl_seed": rl_seed, **by_sign(rl)})
-    for k in ("engine_log_s_mean", "engine_gap_seqs", "is_masked_tokens"):
-        if k in rl[0]:
-            rec[k] = statistics.fmean(r[k] for r in rl)
-    later = [r for r in rl if "engine_k_hat" in r]
-    if later:
-        rec.update({k: later[-1][k] for k in ("engine_k_hat", "engine_k_hat_mean", "engine_sigma_hat")})
-        rec["band_width_median"] = statistics.median(r["engine_band_width"] for r in later)
-    return rec
-
-
-def rem_collect(design: dict) -> tuple[list[dict], dict]:
-    from studies import engine
-    records, acc = [], {}
-    for cell in design["cells"]:
-        a = {"gspo": {}, "noise": {}}
-        for seed in design["seeds"]:
-            for rl_seed, slot in ((seed, "gspo"), (seed + MECH_NOISE_OFFSET, "noise")):
-                name = engine.em_run_name(cell, "gspo", seed, rl_seed)
-                if os.path.exists(os.path.join(REM_RUNS, name, "summary.json")):
-                    records.append(rem_record(name, cell, seed, rl_seed))
-                    a[slot][seed] = records[-1]["accuracy_after_rl"]
-        acc[cell] = a
-    return records, acc
 
 
 def mech_accuracies(mech: dict) -> tuple[dict, list[float]]:
@@ -580,26 +558,21 @@ def check_pairing(records: list[dict], mech: dict) -> None:
 
 
 def rem_verdicts(design: dict, acc: dict, mech_acc: dict, mech_noises: list[float]) -> dict:
-    """The rule per decided cell: GSPO(cell) - GSPO(reference) seed by seed; the noise its own second
-    streams' or the largest measured here or in mechanism.json; with gspo(cell) - grpo(reference)."""
-    seeds = design["seeds"]
-    ref = lambda cell: mech_acc.get(cell) or {"gspo": acc[cell]["gspo"], "grpo": {}}
-    own = {c: second_stream_noise(acc[c]["gspo"], acc[c]["noise"]) for c in design["decided_cells"]}
-    largest = max([n for n in own.values() if n is not None] + list(mech_noises), default=None)
-    out = {}
-    for cell in design["decided_cells"]:
-        r = ref(design["cells"][cell]["reference"])
-        diffs = paired_differences(acc[cell]["gspo"], r["gspo"], seeds)
-        median = statistics.median(diffs) if diffs else None
-        sign = common_sign(diffs) if len(diffs) == len(seeds) else 0
-        noise = own[cell] if own[cell] is not None else largest
-        out[cell] = {"decided_by": design["cells"][cell]["decided_by"], "differences_by_seed": dict(zip(seeds, diffs)),
-                     "median_difference": median, "common_sign": sign, "noise": noise,
-                     "noise_from": ("its own second RL streams" if own[cell] is not None else
-                                    "the largest measured here or in mechanism.json" if noise is not None else None),
-                     "separates": bool(sign and noise is not None and abs(median) > noise),
-                     "gspo_minus_reference_grpo_by_seed": (dict(zip(seeds, paired_differences(acc[cell]["gspo"], r["grpo"], seeds)))
-                                                           if r["grpo"] else None)}
+    """The map's rule (studies/map.py's `verdicts`) per decided cell: GSPO(cell) - GSPO(reference)
+    seed by seed, the noise its own second streams' or the largest measured here or in mechanism.json
+    (`mech_noises`); with gspo(cell) - grpo(reference) where the reference ran GRPO."""
+    from studies import map as regimes
+    seeds, decided = design["seeds"], design["decided_cells"]
+    ref = {c: mech_acc.get(design["cells"][c]["reference"]) or acc[design["cells"][c]["reference"]] for c in decided}
+    compared = {c: {"gspo": acc[c]["gspo"], "noise": acc[c]["noise"], "grpo": ref[c]["gspo"]} for c in decided}
+    out = regimes.verdicts(compared, {c: "add2" for c in decided}, seeds,
+                           noise_elsewhere={"add2": max(mech_noises)} if mech_noises else None)
+    for c, v in out.items():
+        del v["ahead"]                        # "gspo" or "grpo": the wrong words for a reference comparison
+        grpo = ref[c].get("grpo")
+        out[c] = {"decided_by": design["cells"][c]["decided_by"], **v,
+                  "gspo_minus_reference_grpo_by_seed": (dict(zip(seeds, paired_differences(acc[c]["gspo"], grpo, seeds)))
+                                                        if grpo else None)}
     return out
 
 
@@ -662,35 +635,28 @@ def figures_remedy() -> dict:
     ledger = Ledger(os.path.join(REM_RUNS, "figures_seconds.json"))
     try:
         warm = [regimes.warmup_job("dense", s) for s in MECH_SEEDS]
-        run_jobs(warm + mech_jobs_in(d, phase1, MECH_SEEDS), REM_RUNS)
-        records, _ = rem_collect(d)
+        run_jobs(warm + mech_jobs(d, phase1, MECH_SEEDS, folder=REM_RUNS), REM_RUNS)
+        records, _ = mech_collect(d, REM_RUNS)
         check_pairing(records, mech)
         band = record["control_widen_band"] or widen_band(records)
         if record["control_widen_band"] is None:             # written before control_widen's runs
             record["control_widen_band"] = band
             rewrite_json(REM_JSON, record)
-        for c in REM_PHASE_2:
-            d["cells"][c]["flags"] = [f for f in d["cells"][c]["flags"] if f != "WIDEN"] + [
-                "--eps-low", f"{band['eps_low']:.6g}", "--eps-high", f"{band['eps_high']:.6g}"]
-        run_jobs(mech_jobs_in(d, REM_PHASE_2, MECH_SEEDS), REM_RUNS)
-        _, acc = rem_collect(d)
+        banded = {**d, "cells": {**d["cells"], **{c: {**d["cells"][c], "flags": rem_flags(
+            c, mech["design"], d["widened_band"], band)} for c in REM_PHASE_2}}}   # the design keeps WIDEN
+        run_jobs(mech_jobs(banded, REM_PHASE_2, MECH_SEEDS, folder=REM_RUNS), REM_RUNS)
+        _, acc = mech_collect(d, REM_RUNS)
         mech_acc, mech_noises = mech_accuracies(mech)
         agree = [c for c, v in rem_verdicts(d, acc, mech_acc, mech_noises).items() if v["common_sign"]]
-        run_jobs(mech_jobs_in(d, agree, MECH_SEEDS, noise=True), REM_RUNS)
+        run_jobs(mech_jobs(banded, agree, MECH_SEEDS, noise=True, folder=REM_RUNS), REM_RUNS)
     finally:
         ledger.close()
-    record["design"] = rem_design()                       # as committed: WIDEN's value stands in control_widen_band
-    record["runs"], acc = rem_collect(d)
+    record["runs"], acc = mech_collect(d, REM_RUNS)
     check_pairing(record["runs"], mech)
     record["pairing"] = "every run starts where mechanism.json's runs of its seed start (pairing_problems)"
     record["cells"] = rem_verdicts(d, acc, mech_acc, mech_noises)
     record["figures_remedy_seconds"] = ledger.total()
     return record
-
-
-def mech_jobs_in(design: dict, cells, seeds, noise: bool = False) -> list[dict]:
-    from studies import engine
-    return engine.em_jobs(design, cells, seeds, noise, folder=REM_RUNS, noise_offset=MECH_NOISE_OFFSET)
 
 
 def print_verdicts(cells: dict, path: str) -> None:
