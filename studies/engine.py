@@ -125,11 +125,12 @@ def paired_decode(sampler, trainer, prompt_ids, prompt_mask, length: int, eos_id
         logp = torch.log_softmax(logits[1].float() / temperature, dim=-1)        # (B, V)
         nxt = torch.multinomial(logq.exp(), 1).squeeze(-1)                       # (B,)
         pick = nxt[:, None]
-        d.append((logp.gather(-1, pick) - logq.gather(-1, pick)).squeeze(-1).double())
+        picked = logq.gather(-1, pick)                                           # (B, 1): the record
+        d.append((logp.gather(-1, pick) - picked).squeeze(-1).double())
         k.append(g.token_kl(logq, logp).double())
         alive.append(~done)
         tokens.append(nxt)
-        record.append(logq.gather(-1, pick).squeeze(-1).double())
+        record.append(picked.squeeze(-1).double())
         done = done | (nxt == eos_id)
         if done.all():
             break

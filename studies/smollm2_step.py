@@ -267,20 +267,19 @@ def step_part(seed: int, size: dict, folder: str) -> dict:
             "synthetic": gap_summary((logp - records["synthetic"])[mask])}
     lens = {"real": (gaps["real"]["kl_per_token"], gaps["real"]["sigma_hat"]), "synthetic": (k_syn, sigma_syn)}
     band = {r: bands(mask, gaps[r]["state"], z, eps) for r in records}
+    # each setting (SETTINGS): its record as pi_old, its band (eps_low, eps_high) and its lens (K, sigma)
+    setting = {f"{r}_{b}": (records[r], band[r][b], lens[r]) for r in records for b in ("paper", "calibrated")}
     lengths = mask.sum(-1)
-    prediction = {f"{r}_{b}": {"k": lens[r][0], "sigma": lens[r][1],
-                               **lens_prediction(lengths, adv, *lens[r], *log_band(*band[r][b]))}
-                  for r in records for b in ("paper", "calibrated")}
+    prediction = {s: {"k": k, "sigma": sigma, **lens_prediction(lengths, adv, k, sigma, *log_band(*b))}
+                  for s, (_, b, (k, sigma)) in setting.items()}
     written = os.path.join(folder, f"prediction_s{seed}.json")          # before any scoring
     write_json(written, {"seed": seed, "prediction": prediction}, f"python studies/smollm2_step.py (seed {seed})", 0.0)
     with open(written, "rb") as f:
         written_sha256 = hashlib.sha256(f.read()).hexdigest()
     order = {"prediction_written_at": time.time()}
-    measured = {f"{r}_{b}": clip_shares(logp, records[r], adv, mask, *band[r][b]) for r in records
-                for b in ("paper", "calibrated")}
+    measured = {s: clip_shares(logp, old, adv, mask, *b) for s, (old, b, _) in setting.items()}
     weights = {"trainer": sequence_weights(logp, logp, adv, mask, *eps)}
-    weights.update({s: sequence_weights(logp, records[s.split("_")[0]], adv, mask, *band[s.split("_")[0]][s.split("_")[1]])
-                    for s in SETTINGS})
+    weights.update({s: sequence_weights(logp, old, adv, mask, *b) for s, (old, b, _) in setting.items()})
     model.requires_grad_(True)
     t0 = time.perf_counter()
     first = weighted_gradients(model, batch, {k: weights[k] for k in ("trainer", "real_paper", "real_calibrated")}, T)
