@@ -1945,14 +1945,20 @@ def test_each_committed_figure_file_is_one_targets_own_output():
 
 
 # --- make engine: the sampler-trainer gap against length (studies/engine.py) --------------------------
-def test_the_preallocated_cache_decodes_bit_for_bit_as_transformers_growing_one(monkeypatch):
-    """paired_decode's cache writes into buffers sized once; the gaps, KLs and lengths it yields are
-    exactly those of transformers' DynamicCache, which grows by concatenation."""
-    from transformers import DynamicCache
+def tiny_model_and_prompts():
+    """The built-in tokenizer and a fresh tiny model (seed 0), and 8 add2 prompts, left-padded."""
     tok = g.build_char_tokenizer()
     torch.manual_seed(0)
     model = g.build_tiny_model(tok)
     ids, attn = g.encode_prompts(tok, ["12+34=", "7+8="] * 4, "cpu")
+    return tok, model, ids, attn
+
+
+def test_the_preallocated_cache_decodes_bit_for_bit_as_transformers_growing_one(monkeypatch):
+    """paired_decode's cache writes into buffers sized once; the gaps, KLs and lengths it yields are
+    exactly those of transformers' DynamicCache, which grows by concatenation."""
+    from transformers import DynamicCache
+    tok, model, ids, attn = tiny_model_and_prompts()
     sampler = g.sampling_model(model, g.Config(sampler_dtype="bfloat16"))
     outs = []
     for growing in (False, True):
@@ -1969,10 +1975,7 @@ def test_the_preallocated_cache_decodes_bit_for_bit_as_transformers_growing_one(
 def test_a_sampler_that_is_the_trainer_has_no_gap_and_a_nucleus_has_exactly_minus_log_z():
     """paired_decode with the float32 model on both sides: every d_t and k_t is exactly 0; with top-p
     0.8 the sampler's q is the renormalised nucleus, so d_t = log Z_t and k_t = -log Z_t exactly."""
-    tok = g.build_char_tokenizer()
-    torch.manual_seed(0)
-    model = g.build_tiny_model(tok)
-    ids, attn = g.encode_prompts(tok, ["12+34=", "7+8="] * 4, "cpu")
+    tok, model, ids, attn = tiny_model_and_prompts()
     same = engine.paired_decode(model, model, ids, attn, 12, tok.eos_token_id)
     assert same["d"].shape == (8, 12) and (same["d"] == 0).all() and (same["k"] == 0).all() and same["alive"].all()
     nucleus = engine.paired_decode(model, model, ids, attn, 12, tok.eos_token_id, top_p=0.8)
@@ -2853,10 +2856,7 @@ def test_the_remedy_cells_are_paired_with_their_references_runs_and_take_the_lar
 
 # --- make mechanism-smollm2: the lens's prediction and the scoring (studies/smollm2_step.py) ---------
 def test_paired_decode_hands_back_the_tokens_and_the_records_log_probs():
-    tok = g.build_char_tokenizer()
-    torch.manual_seed(0)
-    model = g.build_tiny_model(tok)
-    ids, attn = g.encode_prompts(tok, ["12+34=", "7+8="] * 4, "cpu")
+    tok, model, ids, attn = tiny_model_and_prompts()
     torch.manual_seed(1)
     out = engine.paired_decode(model, model, ids, attn, 12, tok.eos_token_id, suppress_eos=False)
     assert torch.equal(g.completion_mask(out["tokens"], tok.eos_token_id), out["alive"])
@@ -2904,10 +2904,7 @@ def test_under_the_calibrated_band_the_lens_predicts_phi_of_minus_z_and_with_no_
 def test_one_backward_pass_per_response_gives_every_settings_gspo_gradient():
     """sequence_weights reads c_i = dLoss / d log s_i off gspo_loss; weighted_gradients' sum of c_i
     grad log s_i is the gradient of the loss itself, with a per-response band; clipped responses get 0."""
-    tok = g.build_char_tokenizer()
-    torch.manual_seed(0)
-    model = g.build_tiny_model(tok)
-    ids, attn = g.encode_prompts(tok, ["12+34=", "7+8="] * 4, "cpu")
+    tok, model, ids, attn = tiny_model_and_prompts()
     comp = g.sample_completions(model, ids, attn, 6, tok.eos_token_id, tok.pad_token_id, temperature=1.0, group_size=4)
     mask = g.completion_mask(comp, tok.eos_token_id)
     batch = {"prompt_ids": ids, "prompt_mask": attn, "completions": comp, "mask": mask}
