@@ -2854,6 +2854,22 @@ def test_the_remedy_cells_are_paired_with_their_references_runs_and_take_the_lar
     assert not v["control_recentre"]["separates"] and v["control_recentre"]["common_sign"] == 0
 
 
+def test_the_committed_remedy_cells_come_again_from_its_runs_paired_with_the_mechanisms():
+    record = common.read_json(os.path.join(HERE, "figures", "mechanism_remedy.json"))
+    if not record["runs"]:
+        pytest.skip("mechanism_remedy.json holds its design only")
+    mech = common.read_json(os.path.join(HERE, "figures", "mechanism.json"))
+    acc, _ = mechanism.mech_accuracies(record)                         # by cell, slot and seed
+    mech_acc, mech_noises = mechanism.mech_accuracies(mech)
+    again = json.loads(json.dumps(mechanism.rem_verdicts(record["design"], acc, mech_acc, mech_noises)))
+    assert record["cells"] == again
+    assert mechanism.pairing_problems(record["runs"], mech) == []
+    assert record["control_widen_band"] == json.loads(json.dumps(mechanism.widen_band(record["runs"])))
+    assert len(record["runs"]) == 7 * 5 + 5 * sum(v["noise_from"] == "its own second RL streams"
+                                                  for v in record["cells"].values())
+    assert not record["dirty"] and record["figures_remedy_seconds"] <= record["design"]["budget_seconds"]
+
+
 # --- make mechanism-smollm2: the lens's prediction and the scoring (studies/smollm2_step.py) ---------
 def test_paired_decode_hands_back_the_tokens_and_the_records_log_probs():
     tok, model, ids, attn = tiny_model_and_prompts()
@@ -2959,3 +2975,22 @@ def test_the_pooled_comparison_adds_up_the_seeds_and_agrees_within_two_lens_devi
     few = smollm2_step.pooled([part(1, 8, 1.0, 6.0), part(0, 9, 1.5, 6.0)])["real_paper"]["pos"]
     assert few["responses"] == 8 and not few["testable"] and few["agrees"] is None        # under min_responses
     assert row["cosine_median"] == 0.9 and row["norm_ratio_by_seed"] == [0.5] * 3
+
+
+def test_the_committed_smollm2_step_pools_its_seeds_each_scored_after_its_prediction():
+    record = common.read_json(os.path.join(HERE, "figures", "mechanism_smollm2.json"))
+    if not record["seeds"]:
+        pytest.skip("mechanism_smollm2.json holds its design only")
+    parts = [record["seeds"][str(s)] for s in smollm2_step.STEP["seeds"]]
+    assert record["pooled"] == json.loads(json.dumps(smollm2_step.pooled(parts)))
+    assert record["mechanism_smollm2_seconds"] == pytest.approx(sum(p["seconds"] for p in parts))
+    for p in parts:
+        assert p["prediction_written_at"] < p["scoring_finished_at"] and p["size"] == smollm2_step.size_of("step")
+        assert not p["dirty"] and p["measured_at_commit"] == record["measured_at_commit"]
+        assert p["peak_rss_mb"] < smollm2_step.STEP["peak_rss_goal_mb"]
+        real = p["prediction"]["real_paper"]                          # the lens at the rollout's own K and sigma
+        assert (real["k"], real["sigma"]) == (p["gaps"]["real"]["kl_per_token"], p["gaps"]["real"]["sigma_hat"])
+        for s in smollm2_step.SETTINGS:
+            m = p["measured"][s]
+            assert (m["n_seqs_pos"], m["n_seqs_neg"]) == (p["n_pos"], p["n_neg"])
+            assert m["responses_with_gradient"] == p["n_pos"] + p["n_neg"] - m["n_clip_seqs_pos"] - m["n_clip_seqs_neg"]
