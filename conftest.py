@@ -14,6 +14,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
 
+import gspo_lab as lab  # noqa: E402
 import gspo_minimal as g  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -66,9 +67,9 @@ def tiny_run(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def tiny_addwork_run(tmp_path_factory):
-    """(run folder, its summary.json) of a 2-step `--task addwork` run, trained once per test run."""
+    """(run folder, its summary.json) of a 2-step `gspo_lab.py --task addwork` run, trained once per test run."""
     out = str(tmp_path_factory.mktemp("runs") / "addwork")
-    assert g.main(TINY_ADDWORK + ["--out", out]) == 0
+    assert lab.main(TINY_ADDWORK + ["--out", out]) == 0
     with open(os.path.join(out, "summary.json")) as f:
         return out, json.load(f)
 
@@ -136,6 +137,19 @@ def at_commit(commit: str, path: str) -> types.ModuleType:
     return module
 
 
+# gspo_minimal.py before the lab moved out of it into gspo_lab.py: the pre-split studies call the
+# script's functions as they were then, so they are loaded against this version of it.
+PRE_MOVE = "c391f77e19573946496de846ce23b8bd2e799671"
+
+
+@functools.cache
 def pre_split(name: str) -> types.ModuleType:
-    """`name`.py ("experiments" or "trl_compare") as it was at PRE_SPLIT (`at_commit`)."""
-    return at_commit(PRE_SPLIT, f"{name}.py")
+    """`name`.py ("experiments" or "trl_compare") as it was at PRE_SPLIT (`at_commit`), its
+    `import gspo_minimal` bound to gspo_minimal.py as it was at PRE_MOVE."""
+    script = at_commit(PRE_MOVE, "gspo_minimal.py")
+    saved = sys.modules.get("gspo_minimal")
+    sys.modules["gspo_minimal"] = script
+    try:
+        return at_commit(PRE_SPLIT, f"{name}.py")
+    finally:
+        sys.modules["gspo_minimal"] = saved

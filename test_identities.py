@@ -17,6 +17,7 @@ import torch
 from hypothesis import assume, example, given
 from hypothesis import strategies as st
 
+import gspo_lab as lab
 import gspo_minimal as g
 
 F = torch.nn.functional
@@ -213,12 +214,12 @@ OUTPUTS = {
     "cross_entropy": lambda new, old, adv, mask: g.cross_entropy(new, mask),
     "perplexity": lambda new, old, adv, mask: g.perplexity(new, mask),
     "gspo_loss": g.gspo_loss, "gspo_token_loss": g.gspo_token_loss, "grpo_loss": g.grpo_loss,
-    "gmpo_loss": g.gmpo_loss, "sapo_loss": g.sapo_loss,
-    "sapo_loss_sequence": lambda *a: g.sapo_loss(*a, level="sequence"),
-    "cispo_loss": g.cispo_loss, "luspo_loss": g.luspo_loss, "vespo_loss": g.vespo_loss,
+    "gmpo_loss": lab.gmpo_loss, "sapo_loss": lab.sapo_loss,
+    "sapo_loss_sequence": lambda *a: lab.sapo_loss(*a, level="sequence"),
+    "cispo_loss": lab.cispo_loss, "luspo_loss": lab.luspo_loss, "vespo_loss": lab.vespo_loss,
     **{f"{name}_{agg}": (lambda fn, agg: lambda *a: fn(*a, aggregation=agg))(fn, agg)
-       for name, fn in (("gspo_loss", g.gspo_loss), ("gspo_token_loss", g.gspo_token_loss),
-                        ("grpo_loss", g.grpo_loss)) for agg in ("dapo", "dr_grpo")},
+       for name, fn in (("gspo_loss", lab.gspo_loss), ("gspo_token_loss", lab.gspo_token_loss),
+                        ("grpo_loss", lab.grpo_loss)) for agg in ("dapo", "dr_grpo")},
 }
 
 
@@ -802,12 +803,12 @@ def test_one_wild_token_is_clipped_by_grpo_but_not_gspo_and_the_reverse():
 # 17. Relatives of GSPO: what each reduces to, its on-policy gradient, masks and empty rows.
 # ---------------------------------------------------------------------------------------------
 RELATIVES = {
-    "gmpo": g.gmpo_loss,
-    "sapo": g.sapo_loss,
-    "sapo-seq": lambda *a, **k: g.sapo_loss(*a, level="sequence", **k),
-    "cispo": g.cispo_loss,
-    "luspo": g.luspo_loss,
-    "vespo": g.vespo_loss,
+    "gmpo": lab.gmpo_loss,
+    "sapo": lab.sapo_loss,
+    "sapo-seq": lambda *a, **k: lab.sapo_loss(*a, level="sequence", **k),
+    "cispo": lab.cispo_loss,
+    "luspo": lab.luspo_loss,
+    "vespo": lab.vespo_loss,
 }
 PER_TOKEN_SUM = {"cispo", "vespo"}        # normalised by a token count, not by the number of rows
 
@@ -850,7 +851,7 @@ def test_gmpo_without_clipping_is_the_plain_sequence_ratio_objective(b):
     s = g.importance_ratio(lp_new, lp_old, b.mask)
     nonempty = b.mask.any(-1)
     expect = -torch.where(nonempty, s * b.adv, 0).sum() / b.B
-    got = g.gmpo_loss(lp_new, lp_old, b.adv, b.mask, eps=(math.inf, math.inf))
+    got = lab.gmpo_loss(lp_new, lp_old, b.adv, b.mask, eps=(math.inf, math.inf))
     assert got.item() == pytest.approx(expect.item(), rel=1e-12, abs=1e-15)
 
 
@@ -868,7 +869,7 @@ def test_gmpo_clips_each_token_log_ratio_on_the_pessimistic_side(b):
     """A literal loop over GMPO's definition: tokens clipped in log space, then the geometric mean."""
     lp_new, lp_old = b.logp("new"), b.logp("old")
     e_lo, e_hi = 2e-3, 1e-3
-    got = g.gmpo_loss(lp_new, lp_old, b.adv, b.mask, eps=(e_lo, e_hi))
+    got = lab.gmpo_loss(lp_new, lp_old, b.adv, b.mask, eps=(e_lo, e_hi))
     total = 0.0
     for d, a in literal_rows(b, lp_new, lp_old):
         c = [min(x, min(max(x, -e_lo), e_hi)) if a > 0 else max(x, min(max(x, -e_lo), e_hi)) for x in d]
@@ -883,7 +884,7 @@ def test_luspo_on_equal_lengths_is_gspo_times_that_length(b, L):
     lp_old = F.pad(torch.where(b.mask, b.logp("old"), -2.0), (0, T - b.T), value=-2.0)
     mask = torch.zeros(b.B, T, dtype=torch.bool)
     mask[:, :L] = True
-    luspo = g.luspo_loss(lp_new, lp_old, b.adv, mask)
+    luspo = lab.luspo_loss(lp_new, lp_old, b.adv, mask)
     gspo = g.gspo_loss(lp_new, lp_old, b.adv, mask)
     assert luspo.item() == pytest.approx(L * gspo.item(), rel=1e-12, abs=1e-15)
 
@@ -896,10 +897,10 @@ def test_luspo_is_gspo_under_the_token_weighted_aggregations(b, minibatches, ext
     N is what the training loop passes (the rollout's tokens / minibatches), so N/B is the rollout's
     mean length; W is max_new_tokens (at least the mask's width)."""
     N, W = max(b.mask.sum().item() / minibatches, 1.0), b.T + extra_width   # as if 1-4 minibatches
-    value, grad = grad_of(g.luspo_loss, b)
+    value, grad = grad_of(lab.luspo_loss, b)
     for scale, kw in ((N / b.B, dict(aggregation="dapo", num_tokens=N)),
                       (W, dict(aggregation="dr_grpo", max_tokens=W))):
-        v, gr = grad_of(g.gspo_loss, b, **kw)
+        v, gr = grad_of(lab.gspo_loss, b, **kw)
         assert (scale * v).item() == pytest.approx(value.item(), rel=1e-10, abs=1e-14), kw
         assert torch.allclose(scale * gr, grad, rtol=1e-9, atol=1e-14), kw
 
@@ -911,7 +912,7 @@ def test_sapo_in_float64_uses_its_temperatures_exactly(level, b):
     """tau_neg = 1.05 is not a float32 number: built in float32 it would be 1.0499999523, and the
     float64 loss would be off by about 3e-8 relative. A literal loop in Python floats agrees to 1e-12."""
     lp_new, lp_old = b.logp("new"), b.logp("old")
-    got = g.sapo_loss(lp_new, lp_old, b.adv, b.mask, level=level)
+    got = lab.sapo_loss(lp_new, lp_old, b.adv, b.mask, level=level)
     f = lambda r, a: 1 / (1 + math.exp(-(1.0 if a > 0 else 1.05) * (r - 1))) * 4 / (1.0 if a > 0 else 1.05) * a
     total = 0.0
     for d, a in literal_rows(b, lp_new, lp_old):
@@ -937,12 +938,12 @@ def test_sapo_gate_width_goes_from_the_plain_ratio_gradient_to_nothing(level, b)
                                            * b.adv[:, None], b.mask).mean()
     else:
         plain = lambda new: -(g.importance_ratio(new, lp_old, b.mask) * b.adv).mean()
-    narrow = grad(lambda new: g.sapo_loss(new, lp_old, b.adv, b.mask, tau=(1e-8, 1e-8), level=level))
+    narrow = grad(lambda new: lab.sapo_loss(new, lp_old, b.adv, b.mask, tau=(1e-8, 1e-8), level=level))
     assert torch.allclose(narrow, grad(plain), rtol=1e-9, atol=1e-15)
     delta = torch.where(b.mask, lp_new - lp_old, 0)
     moved = g.masked_mean(delta, b.mask) if level == "sequence" else delta[b.mask]
     assume((moved.abs() > 1e-3).all())                  # r != 1 everywhere the gate is looked at
-    wide = grad(lambda new: g.sapo_loss(new, lp_old, b.adv, b.mask, tau=(1e5, 1e5), level=level))
+    wide = grad(lambda new: lab.sapo_loss(new, lp_old, b.adv, b.mask, tau=(1e5, 1e5), level=level))
     assert wide.abs().max().item() < 1e-12 * max(1.0, b.adv.abs().max().item())
 
 
@@ -950,7 +951,7 @@ def test_sapo_gate_width_goes_from_the_plain_ratio_gradient_to_nothing(level, b)
 def test_cispo_caps_the_weight_but_keeps_every_tokens_gradient(b, cap):
     lp_new, lp_old = b.logp("new"), b.logp("old")
     new = lp_new.detach().clone().requires_grad_(True)
-    g.cispo_loss(new, lp_old, b.adv, b.mask, cap=cap).backward()
+    lab.cispo_loss(new, lp_old, b.adv, b.mask, cap=cap).backward()
     w = torch.exp(torch.where(b.mask, lp_new - lp_old, 0)).clamp(max=cap)
     expect = torch.where(b.mask, -w * b.adv[:, None] / b.mask.sum().clamp(min=1), 0)
     assert torch.allclose(new.grad, expect, rtol=1e-12, atol=1e-15)    # no token's gradient is cut
@@ -960,7 +961,7 @@ def test_cispo_caps_the_weight_but_keeps_every_tokens_gradient(b, cap):
 def test_vespo_weight_is_the_gamma_function_of_the_unnormalised_ratio(b):
     lp_new, lp_old = b.logp("new"), b.logp("old")
     new = lp_new.detach().clone().requires_grad_(True)
-    g.vespo_loss(new, lp_old, b.adv, b.mask).backward()
+    lab.vespo_loss(new, lp_old, b.adv, b.mask).backward()
     n = b.mask.sum(-1).to(F64)
     W = g.importance_ratio(lp_new, lp_old, b.mask) ** n                  # s ** |y| = PPL_old/PPL_new ** |y|
     k = torch.where(b.adv >= 0, 2.0, 3.0).to(F64)
@@ -975,7 +976,7 @@ def test_vespo_weight_vanishes_without_overflow_for_extreme_sequence_ratios():
     mask = torch.ones(2, T, dtype=torch.bool)
     old = torch.zeros(2, T, dtype=F64)
     new = torch.stack([torch.full((T,), 50.0), torch.full((T,), -50.0)]).to(F64).requires_grad_(True)
-    loss = g.vespo_loss(new, old, torch.tensor([1.0, -1.0], dtype=F64), mask)
+    loss = lab.vespo_loss(new, old, torch.tensor([1.0, -1.0], dtype=F64), mask)
     loss.backward()
     assert torch.isfinite(loss) and (new.grad == 0).all()       # phi(W) = 0 at W = e^(+-204800)
 
@@ -983,14 +984,14 @@ def test_vespo_weight_vanishes_without_overflow_for_extreme_sequence_ratios():
 @given(batches(dtypes=(F64,)), st.floats(-0.5, 0.5))
 def test_off_policy_mask_drops_exactly_the_drifted_responses_with_negative_advantage(b, delta):
     lp_new, lp_old = b.logp("new"), b.logp("old")
-    keep = g.off_policy_sequence_mask(lp_new, lp_old, b.adv, b.mask, delta)
+    keep = lab.off_policy_sequence_mask(lp_new, lp_old, b.adv, b.mask, delta)
     # (1/|y|) sum_t (log pi_old - log pi_new) = H_new - H_old = log(PPL_new / PPL_old) = -log s
     drift = g.cross_entropy(lp_new, b.mask) - g.cross_entropy(lp_old, b.mask)
     expect = (b.adv >= 0) | (drift <= delta)
     close = (drift - delta).abs() < 1e-12                   # two ways of rounding the same mean
     assert torch.equal(keep[~close], expect[~close])
     for junk in (float("nan"), float("inf"), 1e30):         # masked positions never decide
-        dirty = g.off_policy_sequence_mask(torch.where(b.mask, lp_new, junk),
+        dirty = lab.off_policy_sequence_mask(torch.where(b.mask, lp_new, junk),
                                            torch.where(b.mask, lp_old, -junk), b.adv, b.mask, delta)
         assert torch.equal(dirty, keep)
 
@@ -998,7 +999,8 @@ def test_off_policy_mask_drops_exactly_the_drifted_responses_with_negative_advan
 # ---------------------------------------------------------------------------------------------
 # Aggregation (--aggregation) and Dr. GRPO's advantage (--scale-rewards none).
 # ---------------------------------------------------------------------------------------------
-AGGREGATED = {"gspo": g.gspo_loss, "gspo-token": g.gspo_token_loss, "grpo": g.grpo_loss}
+# the lab's three losses, which take every aggregation (at "paper" they are gspo_minimal's)
+AGGREGATED = {"gspo": lab.gspo_loss, "gspo-token": lab.gspo_token_loss, "grpo": lab.grpo_loss}
 
 
 @given(f64_batches)
@@ -1023,7 +1025,7 @@ def test_dapo_sums_grpos_token_terms_where_the_paper_averages_each_row(b):
     total, n = torch.where(b.mask, term, 0).sum(), b.mask.sum()
     for agg, denominator in (("dapo", n.clamp(min=1)), ("dr_grpo", b.B * b.T), ("dapo", 7.5)):
         kw = {"num_tokens": denominator} if denominator == 7.5 else {}
-        loss = g.grpo_loss(lp_new, lp_old, b.adv, b.mask, aggregation=agg, **kw)
+        loss = lab.grpo_loss(lp_new, lp_old, b.adv, b.mask, aggregation=agg, **kw)
         assert loss.item() == pytest.approx(-(total / denominator).item(), rel=1e-10, abs=1e-15), agg
 
 
@@ -1045,7 +1047,7 @@ def test_every_aggregation_gives_an_empty_row_no_gradient(b):
     mask = b.mask.clone()
     mask[0] = False
     for name, fn in AGGREGATED.items():
-        for agg in g.AGGREGATIONS:
+        for agg in lab.AGGREGATIONS:
             new = b.logp("new").detach().clone().requires_grad_(True)
             fn(new, b.logp("old"), b.adv, mask, aggregation=agg).backward()
             assert (new.grad[0] == 0).all(), (name, agg)
@@ -1054,14 +1056,14 @@ def test_every_aggregation_gives_an_empty_row_no_gradient(b):
 def test_an_unknown_aggregation_is_refused():
     b = CORNERS[1]
     with pytest.raises(ValueError, match="aggregation"):
-        g.gspo_loss(b.logp("new"), b.logp("old"), b.adv, b.mask, aggregation="token")
+        lab.gspo_loss(b.logp("new"), b.logp("old"), b.adv, b.mask, aggregation="token")
 
 
 @given(rewards_st)
 @example([[0.1] * 3, [1.0, 0.0, 1.0]])
 def test_dr_grpo_advantages_are_the_centred_rewards_and_exactly_zero_for_flat_groups(groups):
     r, G = grouped(groups)
-    A = g.group_advantages(r.flatten(), G, scale=False).reshape(r.shape)
+    A = lab.group_advantages(r.flatten(), G, scale=False).reshape(r.shape)
     for i in range(len(r)):
         if len(set(r[i].tolist())) == 1:
             assert (A[i] == 0).all(), "a flat group must give exactly 0"
@@ -1080,12 +1082,12 @@ def test_the_synthetic_gap_gives_log_s_of_mean_minus_k_and_variance_sigma_square
     SIGMA^2 / n within 5 of its own; the global random stream is untouched and the draws repeat."""
     B, T = 4000, n + 3
     mask = torch.arange(T)[None, :].expand(B, T) < n                        # n tokens, then padding
-    cfg = g.Config(seed=seed, record_noise=f"{K!r},{sigma!r}")
+    cfg = lab.Config(seed=seed, record_noise=f"{K!r},{sigma!r}")
     state = torch.get_rng_state()
-    d = g.synthetic_gap(mask, cfg)
+    d = lab.synthetic_gap(mask, cfg)
     assert torch.equal(torch.get_rng_state(), state) and (d[~mask] == 0).all()
     log_s = g.sequence_log_ratio(d, torch.zeros_like(d), mask).double()    # log s = mean_t (d_t - 0)
     se = sigma / math.sqrt(n * B)
     assert abs(log_s.mean().item() + K) <= 5 * se + 1e-9
     assert log_s.var().item() == pytest.approx(sigma ** 2 / n, rel=5 * math.sqrt(2 / (B - 1)), abs=1e-12)
-    assert torch.equal(g.synthetic_gap(mask, g.Config(seed=seed, record_noise=cfg.record_noise)), d)
+    assert torch.equal(lab.synthetic_gap(mask, lab.Config(seed=seed, record_noise=cfg.record_noise)), d)

@@ -17,7 +17,8 @@ from unittest import mock
 import pytest
 import torch
 
-import gspo_minimal as g
+import gspo_lab as g
+import gspo_minimal as minimal
 from conftest import TINY, pre_split, tiny_llama_for
 from studies import (common, engine, family, figures, frontier, gpu_check, lens, long, map as regimes, mechanism,
                      metrics, pretrained, pretrained_seeds, smollm2_step, speed, trl_compare, verify)
@@ -317,9 +318,9 @@ def test_a_real_run_is_kept_by_the_job_that_made_it_even_with_settings_it_predat
     out, summary = tiny_run
     job = {"name": "tiny", "cmd": [sys.executable, "gspo_minimal.py", *TINY, "--out", out, "--seed", "0"],
            "done": os.path.join(out, "summary.json"), "needs": None}
-    assert summary["config"]["micro_batch"] == 0 and common.job_config(job)["micro_batch"] is None
+    assert "micro_batch" not in summary["config"] and common.job_config(job)["micro_batch"] is None
     assert common.reuse_problem(job, host=summary["host"]) is None
-    older = {**summary, "config": {k: v for k, v in summary["config"].items() if k != "top_p"}}
+    older = {**summary, "config": {k: v for k, v in summary["config"].items() if k != "no_chat_template"}}
     os.makedirs(tmp_path / "older")
     with open(tmp_path / "older" / "summary.json", "w") as f:
         json.dump(older, f)
@@ -445,7 +446,7 @@ def test_figures_long_runs_exactly_the_spec_list_each_from_its_seeds_warm_up():
               ("grpo", "paper", 4, False): 3, ("gspo", "dapo", 4, False): 3, ("grpo", "dapo", 4, False): 3,
               ("gspo", "paper", 8, False): 3, ("grpo", "paper", 8, False): 3, ("gspo", "paper", 4, True): 3}
     seen = {}
-    parser = g.build_parser()                                           # built once: it reads the source
+    parser = g.build_parser(g.Config)                                           # built once: it reads the source
     for name, args in runs.items():
         cfg = g.Config(**vars(parser.parse_args(args)))                 # the warm-ups do not exist yet
         key = (cfg.loss, cfg.aggregation, cfg.minibatches, cfg.shuffle_rewards)
@@ -479,7 +480,8 @@ ROOT_ON_PATH = "sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspa
 
 def test_the_studies_live_in_studies_and_no_other_python_file_sits_at_the_top():
     top = [f for f in os.listdir(HERE) if f.endswith(".py")]
-    assert sorted(f for f in top if f not in ("gspo_minimal.py", "conftest.py") and not f.startswith("test_")) == []
+    assert sorted(f for f in top if f not in ("gspo_minimal.py", "gspo_lab.py", "conftest.py")
+                  and not f.startswith("test_")) == []
     present = {f[:-3] for f in os.listdir(os.path.join(HERE, "studies")) if f.endswith(".py")}
     assert set(STUDIES) <= present
     assert "trl" not in present                  # studies/trl.py would shadow the trl package
@@ -496,7 +498,8 @@ def test_every_study_opens_with_what_it_measures_and_how_to_run_it_and_runs_from
         assert "experiments.py" not in source, f"studies/{name}.py names the file it was split from"
         # run as a script, the file's folder is on sys.path, not the repository root: put it there
         # before anything imports gspo_minimal or studies.common
-        first = min(source.find(s) for s in ("import gspo_minimal", "from studies") if s in source)
+        first = min(source.find(s) for s in ("import gspo_minimal", "import gspo_lab", "from studies")
+                    if s in source)
         assert ROOT_ON_PATH in source and source.index(ROOT_ON_PATH) < first, name
 
 
@@ -727,6 +730,8 @@ def assert_same(a, b, where: str = "result", clock=()) -> None:
     """a and b equal in type and value, floats bit for bit (NaN equals NaN), tensors element for
     element, dicts key for key in the same order. A dict's `command` is not compared (see above),
     nor the keys named in `clock`: readings of the wall clock, which no two calls share."""
+    if dataclasses.is_dataclass(a) and dataclasses.is_dataclass(b):    # a Config: the pre-move script's or the lab's,
+        a, b = (dict(sorted(dataclasses.asdict(x).items())) for x in (a, b))   # the same fields in another order
     assert type(a) is type(b), f"{where}: {type(a).__name__} != {type(b).__name__}"
     if isinstance(a, dict):
         ka = [k for k in a if k != "command" and k not in clock]
@@ -805,7 +810,7 @@ def study_tree(tiny_run, tiny_addwork_run, tmp_path_factory):
     the per-half accuracies long_summary takes. Built from the old module's run lists."""
     e = pre_split("experiments")
     root = str(tmp_path_factory.mktemp("tree"))
-    parser = g.build_parser()                             # built once: it reads the script's source
+    parser = g.build_parser(g.Config)                             # built once: it reads the script's source
     for runs, folder, steps, every in ((e.figure_runs(), e.FIG_RUNS, e.FIG_STEPS, 10),
                                        (e.family_runs(), e.FAMILY_RUNS, e.FIG_STEPS, 10),
                                        (e.long_runs(), e.LONG_RUNS, e.LONG_STEPS, 5)):
@@ -837,16 +842,22 @@ def test_golden_run_lists_settings_and_jobs():
     for name in ("figure_runs", "family_runs", "long_runs"):
         same_call(name)
     same_call("warm_dir", 2)
-    same_call("script_job", "gspo_s1", ["--loss", "gspo", "--seed", "1"], "runs/x", 200, needs="a/summary.json",
-              extra=["--val-size", "4"])
+    # a job now runs the lab, which takes every flag the script took: its command names gspo_lab.py
+    before = old("script_job")("gspo_s1", ["--loss", "gspo", "--seed", "1"], "runs/x", 200, needs="a/summary.json",
+                               extra=["--val-size", "4"])
+    before["cmd"] = [("gspo_lab.py" if c == "gspo_minimal.py" else c) for c in before["cmd"]]
+    assert_same(before, now("script_job")("gspo_s1", ["--loss", "gspo", "--seed", "1"], "runs/x", 200,
+                                          needs="a/summary.json", extra=["--val-size", "4"]), "script_job")
     # the warm-up job runs the study file itself: its path is the one thing that changed
-    script = lambda jobs: [{**j, "cmd": [("STUDY" if str(c).endswith(".py") and "gspo_minimal" not in str(c)
-                                          else c) for c in j["cmd"]]} for j in jobs]
+    script = lambda jobs: [{**j, "cmd": [("STUDY" if str(c).endswith(".py") and "gspo_" not in str(c) else
+                                          "gspo_lab.py" if c == "gspo_minimal.py" else c) for c in j["cmd"]]}
+                           for j in jobs]
     # and the warm-up jobs now name the script flags their summary records (`argv`, for the reuse check)
     assert_same(script(old("long_jobs")()), script([{k: v for k, v in j.items() if k != "argv"}
                                                     for j in now("long_jobs")()]), "long_jobs")
     assert_same(old("pre_cfg")("grpo"), dataclasses.replace(now("pre_cfg")("grpo"), micro_batch=None), "pre_cfg")
-    assert_same(old("splits")("addwork"), now("splits")("addwork"), "splits")
+    # a split now carries its task (the warm-up reads it there): the problems are the same
+    assert_same(old("splits")("addwork"), {k: v for k, v in now("splits")("addwork").items() if k != "task"}, "splits")
 
 
 @pytest.mark.thorough          # a golden test of the split studies, seconds long
@@ -907,7 +918,8 @@ def test_golden_measurement_helpers_on_fixed_inputs(tiny_run, tmp_path, capsys):
         for fn in (old("check_trl_can_run"), now("check_trl_can_run")):
             try:
                 errors.append(fn(cfg))
-            except g.BadInput as err:
+            except Exception as err:          # the pre-move script's BadInput, or the lab's (one class now)
+                assert type(err).__name__ == "BadInput", err
                 errors.append(str(err))
         assert errors[0] == errors[1], errors
     tok = g.build_char_tokenizer()
@@ -1542,8 +1554,8 @@ def test_the_facts_that_drift_are_stated_one_way_in_every_doc():
     """add2's answer lengths, GSPO's band and the 4 GiB goal, where README, tutorial and results.md
     all state them: against the task itself, gspo_minimal's constants and what was measured."""
     tok = g.build_char_tokenizer()
-    lengths = [len(tok(g.solution_text("add2", a, b), add_special_tokens=False).input_ids) + 1
-               for a, b in g.make_splits("add2", 500, 300)["test"]]
+    lengths = [len(tok(g.ADD2.solution(a, b), add_special_tokens=False).input_ids) + 1
+               for a, b in g.make_splits(g.ADD2, 500, 300)["test"]]
     assert sum(n in (3, 4) for n in lengths) / len(lengths) >= 0.99 and min(lengths) == 2    # "3-4" (2: a sum below 10)
     assert g.DEFAULT_EPS["gspo"] == (3e-4, 4e-4) and g.DEFAULT_EPS["grpo"] == (0.2, 0.27)
     for doc in DOCS:
@@ -1605,7 +1617,7 @@ def test_map_design_holds_every_cell_the_rule_and_its_null_probabilities():
     jobs = regimes.run_jobs_of(regimes.CELLS, (0, 1, 2), 0.5) + regimes.run_jobs_of(regimes.NOISE_FIRST, (0,), 0.5,
                                                                                    noise=True)
     assert len({j["name"] for j in jobs}) == len(jobs) == 9 * 2 * 3 + 2
-    parser = g.build_parser()
+    parser = g.build_parser(g.Config)
     for job in jobs:                          # flags the script knows (the checkpoints do not exist yet)
         cfg = parser.parse_args(job["cmd"][2:])
         assert cfg.warmup_max_steps == 0 and job["needs"].startswith(os.path.dirname(cfg.model))
@@ -2039,7 +2051,7 @@ def tiny_engine(tmp_path, monkeypatch, length=8):
     model = g.build_tiny_model(tok)
 
     def tiny(name, n, rng):
-        ids, attn = g.encode_prompts(tok, [g.prompt_text("add2", *p) for p in common.problems(n, rng)], "cpu")
+        ids, attn = g.encode_prompts(tok, [g.ADD2.prompt(*p) for p in common.problems(n, rng)], "cpu")
         return model, tok, ids, attn, length
     monkeypatch.setattr(engine, "model_and_prompts", tiny)
     monkeypatch.setattr(engine, "SIZES", {"add2": {"rows": 8, "length": None, "batch": 4}})
@@ -2525,19 +2537,22 @@ def tiny_rollout(seed: int = 0):
 
 
 def test_the_profiles_timer_counts_each_part_once_and_undoes_itself():
+    """make profile times gspo_minimal's own cycle: its timer wraps the minimal script's functions."""
     model, tok, cfg, batch = tiny_rollout()
-    opt, _ = g.rl_optimizer(model, cfg)
-    originals = (g.group_policy_logprobs, torch.Tensor.backward, opt.step, g.rl_update)
+    opt, _ = minimal.rl_optimizer(model, cfg)
+    originals = (minimal.group_policy_logprobs, torch.Tensor.backward, opt.step, minimal.rl_update,
+                 dict(minimal.LOSS_FNS))
     timer = speed.PartTimer(opt)
     try:
-        g.rl_update(model, opt, batch, cfg, *g.resolved_eps(cfg))
+        minimal.rl_update(model, opt, batch, cfg, *minimal.resolved_eps(cfg))
         parts = timer.seconds
     finally:
         timer.close()
     assert {"update", "pre_update_pass", "update_forward", "backward", "optimiser", "metrics"} <= set(parts)
     inside = sum(parts[k] for k in ("pre_update_pass", "update_forward", "backward", "optimiser", "metrics"))
     assert 0 < inside <= parts["update"]                       # nested parts never count twice
-    assert (g.group_policy_logprobs, torch.Tensor.backward, opt.step, g.rl_update) == originals
+    assert (minimal.group_policy_logprobs, torch.Tensor.backward, opt.step, minimal.rl_update,
+            minimal.LOSS_FNS) == originals
 
 
 def test_the_packed_lever_gives_the_scripts_log_probs_at_every_kept_position():
@@ -2654,7 +2669,7 @@ def test_the_mechanism_design_holds_its_seven_cells_the_rule_and_the_chance_of_a
     assert p["same_sign_5_of_5_per_cell"] == 1 / 16 and p["at_least_one_of_these_cells"] == pytest.approx(1 - (15 / 16) ** 7)
     assert p["at_least_one_with_the_remedy_cells"] == pytest.approx(1 - (15 / 16) ** 13)
     assert mechanism.mech_projection(d, cal)["fits"] and mechanism.mech_projection(d, cal)["runs"] == 7 * 3 * 5
-    parser = g.build_parser()
+    parser = g.build_parser(g.Config)
     for job in mechanism.mech_jobs(d, d["cells"], d["seeds"]) + mechanism.mech_jobs(d, ["real_bf16"], [0], noise=True):
         cfg = parser.parse_args(job["cmd"][2:])
         g.validate(g.Config(**{**vars(cfg), "model": ""}))            # valid flags (the checkpoint comes later)
@@ -2729,7 +2744,7 @@ def test_the_remedy_design_decides_six_cells_against_their_references_under_the_
     assert "GSPO(cell) - GSPO(reference)" in d["decision_rule"] and "mechanism.json" in d["decision_rule"]
     band = {"eps_low": 0.01, "eps_high": 0.012}
     cells["control_widen"]["flags"] = mechanism.rem_flags("control_widen", mech, wide, band)
-    parser = g.build_parser()
+    parser = g.build_parser(g.Config)
     jobs = (mechanism.mech_jobs(d, list(cells), d["seeds"], folder=mechanism.REM_RUNS)
             + mechanism.mech_jobs(d, ["trl_route"], [0], noise=True, folder=mechanism.REM_RUNS))
     assert len(jobs) == 7 * 5 + 1 and all(j["cmd"][j["cmd"].index("--out") + 1].startswith("runs/remedy/") for j in jobs)

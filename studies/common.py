@@ -3,9 +3,10 @@ log s against length with bootstrap intervals, the job pool of the long targets,
 they leave, the JSON writer with provenance, and the plotting helpers.
 
 Not a study of its own and not run directly: `python studies/verify.py` and the other files in
-studies/ import it. Everything here imports gspo_minimal and adds no training logic of its own: the
-updates measured are `gspo_minimal.rl_update` with the script's own optimiser (`rl_optimizer`) at
-its defaults, the log-probs are `gspo_minimal.policy_logprobs`. Written once, used by every study.
+studies/ import it. Everything here imports the lab (gspo_lab, which holds every name of gspo_minimal
+and its own) and adds no training logic of its own: the updates measured are the lab's `rl_update`
+with the script's own optimiser (`rl_optimizer`), the log-probs `policy_logprobs`; at the lab's
+defaults both are gspo_minimal's, number for number. Written once, used by every study.
 """
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 import torch  # noqa: E402
 
-import gspo_minimal as g  # noqa: E402
+import gspo_lab as g  # noqa: E402
 
 TRAIN_DIR = "runs/train"
 FIG_DIR = "figures"
@@ -245,12 +246,13 @@ def kept_part(folder: str, study: str, name: str, fn, own_peak: bool = False,
 
 @functools.cache
 def splits(task: str = "add2") -> dict:
-    """The script's fixed test / validation split, drawn once: training problems avoid both."""
-    return g.make_splits(task, DEFAULTS.test_size, DEFAULTS.val_size)
+    """The script's fixed test / validation split of a built-in task (named), drawn once: training
+    problems avoid both."""
+    return g.make_splits(g.TASKS[task], DEFAULTS.test_size, DEFAULTS.val_size)
 
 
 def problems(n: int, rng: random.Random, task: str = "add2"):
-    return g.sample_train_problems(splits(task), task, n, rng)
+    return g.sample_train_problems(splits(task), n, rng)
 
 
 def warm_start_argv(flags: list[str], seed: int, out: str) -> list[str]:
@@ -259,7 +261,7 @@ def warm_start_argv(flags: list[str], seed: int, out: str) -> list[str]:
 
 
 def warm_start(flags: list[str], seed: int, out: str, command: str) -> None:
-    """The script's own supervised warm-up for `python gspo_minimal.py FLAGS --seed SEED` (its model
+    """The script's own supervised warm-up for `python gspo_lab.py FLAGS --seed SEED` (its model
     initialisation, its training problems, its stopping rule), saved in `out` as the checkpoint
     every RL run of that seed starts from: one warm-up per seed instead of one per run."""
     import dataclasses
@@ -267,7 +269,7 @@ def warm_start(flags: list[str], seed: int, out: str, command: str) -> None:
     t0 = time.perf_counter()
     device, model, tok = g.prepare(cfg)
     run = g.Run(cfg.out, t0, command=command)
-    split = g.make_splits(cfg.task, cfg.test_size, cfg.val_size)
+    split = g.make_splits(g.task_of(cfg), cfg.test_size, cfg.val_size)
     with g.GracefulStop() as stop:
         steps = g.warmup(model, tok, split, cfg, device, random.Random(cfg.seed), run, stop)
     run.checkpoint(model, tok)
@@ -391,8 +393,9 @@ def variance_profile(delta: torch.Tensor, lengths, n_boot: int = 1000, seed: int
 # ---------------------------------------------------------------------------------------------
 @contextlib.contextmanager
 def minibatch_ratios():
-    """Record every minibatch that gspo_minimal.rl_update takes, in order, while active: its s and
-    the inputs of its ratio_metrics call (logp_new, logp_old, adv, mask), detached."""
+    """Record every minibatch that the lab's rl_update takes, in order, while active: its s and
+    the inputs of its ratio_metrics call (logp_new, logp_old, adv, mask), detached. (It replaces the
+    lab's `ratio_metrics` for the while; gspo_minimal's functions are never replaced.)"""
     seen, original = [], g.ratio_metrics
 
     def record(logp_new, logp_old, adv, mask, *args, **kwargs):
@@ -631,11 +634,14 @@ def finished(done: str) -> bool:
 CHILD_ENV = {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}   # what run_jobs adds to a job's environment
 
 
+SCRIPTS = ("gspo_lab.py", "gspo_minimal.py")   # a run's command names one; the lab's parser reads both
+
+
 def job_config(job: dict) -> dict | None:
     """The settings a job's run will record (its summary.json's `config`): the script's flags as
-    the job gives them (`argv`, or the arguments after gspo_minimal.py in its command), parsed;
-    None where a job names neither."""
-    script = next((i for i, c in enumerate(job["cmd"]) if str(c).endswith("gspo_minimal.py")), None)
+    the job gives them (`argv`, or the arguments after gspo_lab.py or gspo_minimal.py in its
+    command), parsed by the lab's parser (it takes every flag of both); None where a job names neither."""
+    script = next((i for i, c in enumerate(job["cmd"]) if str(c).endswith(SCRIPTS)), None)
     argv = job.get("argv", None if script is None else job["cmd"][script + 1:])
     if argv is None:
         return None
@@ -733,10 +739,10 @@ def run_jobs(jobs: list[dict], folder: str, workers: int = 2, poll: float = 1.0)
 
 def script_job(name: str, args: list[str], folder: str, steps: int, needs: str | None = None,
                extra=()) -> dict:
-    """A run_jobs job: `python gspo_minimal.py ARGS --steps STEPS --threads 1 --out FOLDER/NAME`."""
+    """A run_jobs job: `python gspo_lab.py ARGS --steps STEPS --threads 1 --out FOLDER/NAME`."""
     out = os.path.join(folder, name)
     return {"name": name, "needs": needs, "done": os.path.join(out, "summary.json"),
-            "cmd": [sys.executable, "gspo_minimal.py", *args, "--steps", str(steps), "--threads", "1",
+            "cmd": [sys.executable, "gspo_lab.py", *args, "--steps", str(steps), "--threads", "1",
                     "--out", out, *extra]}
 
 

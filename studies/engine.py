@@ -46,7 +46,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-import gspo_minimal as g  # noqa: E402
+import gspo_lab as g  # noqa: E402
 from studies.common import (Ledger, Parser, bootstrap_slopes, cli, fail, in_own_process,  # noqa: E402
                             kept_design, kept_part, load_checkpoint, paired_differences, read_json,
                             reuse_problem, run_jobs, script_job, smollm_gguf, write_json, write_result)
@@ -252,8 +252,8 @@ def model_and_prompts(name: str, n: int, rng: random.Random):
     else:
         model, tok = addwork_checkpoint()
         task = "addwork"
-    problems = g.sample_train_problems(g.make_splits(task, 500, 300), task, n, rng)
-    ids, attn = g.encode_prompts(tok, [g.prompt_text(task, a, b) for a, b in problems], "cpu")
+    problems = g.sample_train_problems(g.make_splits(g.TASKS[task], 500, 300), n, rng)
+    ids, attn = g.encode_prompts(tok, [g.TASKS[task].prompt(a, b) for a, b in problems], "cpu")
     return model, tok, ids, attn, model.config.max_position_embeddings - ids.shape[1]
 
 
@@ -834,7 +834,7 @@ def warmup_rollouts(seed: int, rollouts: int):
     splits = g.make_splits(task, cfg.test_size, cfg.val_size)
     for _ in range(rollouts):
         sampler = g.sampling_model(model, cfg)
-        yield model, cfg, sampler, g.rollout(sampler, tok, g.sample_train_problems(splits, task, cfg.prompts_per_step, rng),
+        yield model, cfg, sampler, g.rollout(sampler, tok, g.sample_train_problems(splits, cfg.prompts_per_step, rng),
                                              cfg, "cpu")
 
 

@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 import torch  # noqa: E402
 
-import gspo_minimal as g  # noqa: E402
+import gspo_lab as g  # noqa: E402
 from studies.common import (FIG_DIR, FIG_RUNS, FIG_STEPS, SEEDS, STYLE, Parser, accuracy_curves,  # noqa: E402
                             Ledger, cli, figure_jobs, kept_problem, read_json, read_metrics, reused_runs, run_all, run_record, variance_panels,
                             write_json)
@@ -68,7 +68,7 @@ def plot_clipped_objective(plt) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.8), sharey=False)
     for ax, adv in zip(axes, (1.0, -1.0)):
         a = torch.full_like(s, adv)
-        term = g._clipped_surrogate(s, a, lo, hi)
+        term = g.clipped_surrogate(s, a, lo, hi)
         dead = g.clipped_on_active_side(s, a, lo, hi)
         x = (s - 1).numpy() * 1e4
         ax.plot(x, term.numpy(), color="#0072B2", lw=2, label="min(s A, clip(s, 1-eps_low, 1+eps_high) A)")

@@ -31,7 +31,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # gspo_minimal, studies
 
-import gspo_minimal as g  # noqa: E402
+import gspo_lab as g  # noqa: E402
 from studies.common import (FIG_DIR, Ledger, Parser, cli, cluster_bootstrap, fail,  # noqa: E402
                             firth_logistic, kept_design, mcnemar_exact, paired_permutation_p, read_json,
                             read_summary, rewrite_json, run_jobs, script_job, sign_test,

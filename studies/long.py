@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 import torch  # noqa: E402
 
-import gspo_minimal as g  # noqa: E402
+import gspo_lab as g  # noqa: E402
 from studies.common import (DEFAULTS, FIG_DIR, SEEDS, STYLE, Ledger, Parser, big_rollout,  # noqa: E402
                             binned_variance, cli, fail, loglog_slope, logprobs_in_chunks, one_update,
                             read_metrics, read_json, read_summary, reused_runs, run_jobs, script_job,
@@ -97,14 +97,14 @@ def length_split(task: str = "addwork") -> dict[str, list]:
     """The test problems in two halves by the length of their solutions, short and long (sorted
     by length, ties in the test set's order, cut in the middle)."""
     test = g.make_splits(task, DEFAULTS.test_size, DEFAULTS.val_size)["test"]
-    ranked = sorted(test, key=lambda p: len(g.solution_text(task, *p)))
+    ranked = sorted(test, key=lambda p: len(g.TASKS[task].solution(*p)))
     return {"short": ranked[:len(ranked) // 2], "long": ranked[len(ranked) // 2:]}
 
 
 def accuracy_by_length(checkpoint: str) -> dict:
     """Greedy test accuracy of a checkpoint on the short and on the long half of the test set."""
     model, tok = g.load_pretrained(checkpoint)
-    return {half: g.accuracy(model, tok, "addwork", probs, g.TASK_DEFAULTS["addwork"]["max_new_tokens"], "cpu")
+    return {half: g.accuracy(model, tok, g.TASKS["addwork"], probs, g.TASK_DEFAULTS["addwork"]["max_new_tokens"], "cpu")
             for half, probs in length_split().items()}
 
 
@@ -155,9 +155,9 @@ def cached(path: str, fn):
 def long_summary(variance: dict, by_length: dict) -> dict:
     """figures/long.json: every run with its settings and results, medians per group, the variance study."""
     import numpy as np
-    tok = g.build_char_tokenizer("addwork")
-    test = g.make_splits("addwork", DEFAULTS.test_size, DEFAULTS.val_size)["test"]
-    ref = np.array([len(tok(g.solution_text("addwork", a, b), add_special_tokens=False).input_ids) + 1
+    tok = g.build_char_tokenizer(g.TASKS["addwork"])
+    test = g.make_splits(g.TASKS["addwork"], DEFAULTS.test_size, DEFAULTS.val_size)["test"]
+    ref = np.array([len(tok(g.TASKS["addwork"].solution(a, b), add_special_tokens=False).input_ids) + 1
                     for a, b in test])                                    # EOS included
     runs = []
     for name, args in long_runs():

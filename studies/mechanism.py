@@ -62,7 +62,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 import torch  # noqa: E402
 
-import gspo_minimal as g  # noqa: E402
+import gspo_lab as g  # noqa: E402
 from studies.common import (Ledger, Parser, cli, common_sign, fail, kept_design, paired_differences,  # noqa: E402
                             read_json, rewrite_json, run_jobs, script_job, second_stream_noise, write_json,
                             write_result)

@@ -40,7 +40,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 import torch  # noqa: E402
 
-import gspo_minimal as g  # noqa: E402
+import gspo_lab as g  # noqa: E402
 from studies.common import (FIG_DIR, Parser, binned_variance, cli, fail, in_own_process, kept_part, kept_problem,  # noqa: E402
                             loglog_slope, logprobs_in_chunks, minibatch_ratios, read_json, smollm_gguf,
                             rewrite_json, variance_panels, variance_profile, write_json)
@@ -112,7 +112,7 @@ def word_rollout(model, tok, problems, G: int, temperature: float, max_new: int)
     ids, attn = g.encode_prompts(tok, texts, "cpu")
     comp = g.sample_completions(model, ids, attn, max_new, tok.eos_token_id, tok.pad_token_id,
                                 temperature=temperature, group_size=G, rows=PRE["sample_rows"])
-    rewards = torch.tensor([g.reward(row, ans, tok, task="add2-chat") for row, ans in
+    rewards = torch.tensor([g.reward(row, ans, tok, task=g.TASKS["add2-chat"]) for row, ans in
                             zip(comp.tolist(), [a for _, a in problems for _ in range(G)])])
     return {"prompt_ids": ids, "prompt_mask": attn, "completions": comp,
             "mask": g.completion_mask(comp, tok.eos_token_id), "rewards": rewards,
@@ -289,10 +289,10 @@ def time_sampling(model, tok) -> dict:
 @torch.no_grad()
 def heldout_rewards(model, tok, problems, max_new: int) -> list[float]:
     """Greedy reward of every held-out problem, as gspo_minimal.accuracy computes its mean."""
-    ids, attn = g.encode_prompts(tok, [g.prompt_text("add2-chat", a, b) for a, b in problems], "cpu")
+    ids, attn = g.encode_prompts(tok, [g.TASKS["add2-chat"].prompt(a, b) for a, b in problems], "cpu")
     comp = g.sample_completions(model, ids, attn, max_new, tok.eos_token_id, tok.pad_token_id,
                                 temperature=0.0)
-    return [g.reward(row, g.answer_text("add2-chat", a, b), tok, task="add2-chat")
+    return [g.reward(row, g.TASKS["add2-chat"].answer(a, b), tok, task=g.TASKS["add2-chat"])
             for row, (a, b) in zip(comp.tolist(), problems)]
 
 
@@ -301,7 +301,7 @@ def answer_forms(model, tok, problems, max_new: int, top: int = 4) -> dict:
     how many stopped, their mean length, and the first few answers verbatim."""
     import collections
     import re
-    ids, attn = g.encode_prompts(tok, [g.prompt_text("add2-chat", a, b) for a, b in problems], "cpu")
+    ids, attn = g.encode_prompts(tok, [g.TASKS["add2-chat"].prompt(a, b) for a, b in problems], "cpu")
     comp = g.sample_completions(model, ids, attn, max_new, tok.eos_token_id, tok.pad_token_id,
                                 temperature=0.0)
     texts = [tok.decode(row, skip_special_tokens=True) for row in comp.tolist()]
@@ -342,7 +342,7 @@ MODEL_PARTS = tuple(p for p in PARTS if p != "token_logprobs")
 
 def heldout_split() -> tuple[list, int]:
     """The training run's held-out test problems and its answer length."""
-    splits_ = g.make_splits("add2-chat", *[int(PRE["train"][PRE["train"].index(f) + 1])
+    splits_ = g.make_splits(g.TASKS["add2-chat"], *[int(PRE["train"][PRE["train"].index(f) + 1])
                                            for f in ("--test-size", "--val-size")])
     return splits_["test"], int(PRE["train"][PRE["train"].index("--max-new-tokens") + 1])
 

@@ -32,7 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 import torch  # noqa: E402
 
-import gspo_minimal as g  # noqa: E402
+import gspo_lab as g  # noqa: E402
 from studies import common  # noqa: E402
 from studies.common import (FIG_DIR, Parser, cli, fail, in_own_process, kept_part, peak_rss_mb,  # noqa: E402
                             read_json, reset_peak_rss, rewrite_json, smollm_gguf, status_kib, write_json)
@@ -86,7 +86,7 @@ def scored_run(name: str, model: str, args: list[str], test) -> dict:
 
 def seed_runs(path: str) -> dict:
     """The held-out rewards before RL, then every run: GSPO and GRPO x seeds, and the control."""
-    test = g.make_splits("add2-chat", int(option(TRAIN, "--test-size")), int(option(TRAIN, "--val-size")))["test"]
+    test = g.make_splits(g.TASKS["add2-chat"], int(option(TRAIN, "--test-size")), int(option(TRAIN, "--val-size")))["test"]
     max_new = int(option(TRAIN, "--max-new-tokens"))
 
     def score_the_model_as_released():

@@ -56,7 +56,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 import torch  # noqa: E402
 
-import gspo_minimal as g  # noqa: E402
+import gspo_lab as g  # noqa: E402
 from studies.common import (Parser, cli, fail, in_own_process, kept_part, logprobs_in_chunks, read_json,  # noqa: E402
                             smollm_gguf, write_json, write_result)
 
@@ -232,7 +232,7 @@ def smollm2_rollout(model, tok, seed: int, size: dict) -> tuple[dict, dict]:
         raise AssertionError("the decode's live tokens are not the completion mask")
     comp = out["tokens"].where(mask, torch.full_like(out["tokens"], tok.pad_token_id))
     answers = [a for _, a in problems for _ in range(G)]
-    rewards = torch.tensor([g.reward(row, a, tok, task="add2-chat") for row, a in zip(comp.tolist(), answers)])
+    rewards = torch.tensor([g.reward(row, a, tok, task=g.TASKS["add2-chat"]) for row, a in zip(comp.tolist(), answers)])
     batch = {"prompt_ids": ids, "prompt_mask": attn, "completions": comp, "mask": mask, "rewards": rewards,
              "advantages": g.group_advantages(rewards, G)}
     lengths = mask.sum(-1).float()

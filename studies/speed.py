@@ -63,15 +63,20 @@ class PartTimer:
         grad_part = lambda: "update_forward" if torch.is_grad_enabled() else "pre_update_pass"
         for name, part in (("sample_completions", "sampling"), ("rollout", "rollout"),
                            ("rl_update", "update"), ("group_policy_logprobs", grad_part),
-                           ("loss_value", "update_forward"), ("ratio_metrics", "metrics"),
-                           ("summarise_minibatches", "metrics"), ("stop_if_not_finite", "optimiser")):
+                           ("ratio_metrics", "metrics"), ("summarise_minibatches", "metrics"),
+                           ("stop_if_not_finite", "optimiser")):
             self.wrap(g, name, part)
+        for loss in list(g.LOSS_FNS):                 # the objective, as rl_update looks it up
+            self.wrap(g.LOSS_FNS, loss, "update_forward")
         self.wrap(torch.nn.utils, "clip_grads_with_norm_", "optimiser")
         self.wrap(torch.Tensor, "backward", "backward")
         self.wrap(opt, "step", "optimiser")
 
     def wrap(self, owner, name, part):
-        original = getattr(owner, name)
+        """Time `owner.name` (or `owner[name]` for a dict) under `part`, until `close`."""
+        item = isinstance(owner, dict)
+        original = owner[name] if item else getattr(owner, name)
+        put = (lambda value: owner.__setitem__(name, value)) if item else (lambda value: setattr(owner, name, value))
 
         @functools.wraps(original)      # keeps what torch's LR scheduler marked on opt.step
         def timed(*args, **kwargs):
@@ -81,8 +86,8 @@ class PartTimer:
             finally:
                 key = part() if callable(part) else part
                 self.seconds[key] = self.seconds.get(key, 0.0) + time.perf_counter() - t
-        setattr(owner, name, timed)
-        self.undo.append(lambda: setattr(owner, name, original))
+        put(timed)
+        self.undo.append(lambda: put(original))
 
     def close(self):
         for undo in reversed(self.undo):
@@ -147,11 +152,11 @@ def profile_cycle() -> dict:
     parts["update_rest"] = med("update") - sum(parts[k] for k in ("pre_update_pass", "update_forward",
                                                                    "backward", "optimiser", "metrics"))
     parts["other"] = med("cycle") - med("rollout") - med("update")
-    val = g.make_splits(cfg.task, cfg.test_size, cfg.val_size)["val"]
+    val = g.make_splits(g.ADD2, cfg.test_size, cfg.val_size)["val"]
     evals = []
     for _ in range(5):
         t = time.perf_counter()
-        g.accuracy(model, tok, cfg.task, val, cfg.max_new_tokens, "cpu")
+        g.accuracy(model, tok, g.ADD2, val, cfg.max_new_tokens, "cpu")
         evals.append(time.perf_counter() - t)
     parts["evaluation_per_cycle"] = statistics.median(evals) / cfg.eval_every   # every eval_every cycles
     with FlopCounterMode(display=False) as flops:              # one more cycle, its FLOPs counted
@@ -362,7 +367,7 @@ def bench_sampler(repeats: int = 15) -> dict:
 
 def time_samplers(model, tok, cfg: g.Config, repeats: int) -> dict:
     from transformers import GenerationConfig
-    texts = [g.prompt_text("add2", a, b) for a, b in problems(cfg.prompts_per_step, random.Random(0))
+    texts = [g.ADD2.prompt(a, b) for a, b in problems(cfg.prompts_per_step, random.Random(0))
              for _ in range(cfg.group_size)]
     ids, attn = g.encode_prompts(tok, texts, "cpu")
     gen_cfg = GenerationConfig(do_sample=True, temperature=1.0, top_k=None, top_p=None,

@@ -51,7 +51,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 import torch  # noqa: E402
 
-import gspo_minimal as g  # noqa: E402
+import gspo_lab as g  # noqa: E402
+import gspo_minimal as minimal  # noqa: E402
 from studies import common  # noqa: E402
 from studies.common import cli, fail, given_path, need, peak_rss_mb  # noqa: E402
 
@@ -116,7 +117,7 @@ class EosExactMatch:
     __name__ = "eos_exact_match"        # TRL names the reward's metrics after it
 
     def __init__(self, tokenizer, task: str = "add2"):
-        self.tokenizer, self.task, self.rewards, self.lengths = tokenizer, task, [], []
+        self.tokenizer, self.task, self.rewards, self.lengths = tokenizer, g.TASKS[task], [], []
 
     def __call__(self, prompts, completions, completion_ids, answer, **kwargs) -> list[float]:
         # completion_ids: TRL's token ids, cut after the first EOS (EOS included)
@@ -130,9 +131,9 @@ def problems_dataset(task: str, problems, chat: bool = False):
     """The prompts and answers as TRL reads them; `chat`: each prompt one user message, so that TRL
     applies the tokenizer's chat template as gspo_minimal.encode_prompts does."""
     from datasets import Dataset
-    texts = [g.prompt_text(task, a, b) for a, b in problems]
+    texts = [g.TASKS[task].prompt(a, b) for a, b in problems]
     return Dataset.from_dict({"prompt": [[{"role": "user", "content": t}] for t in texts] if chat else texts,
-                              "answer": [g.answer_text(task, a, b) for a, b in problems]})
+                              "answer": [g.TASKS[task].answer(a, b) for a, b in problems]})
 
 
 def build_trainer(cfg: g.Config, model, tokenizer, problems, rollouts: int, out: str, device,
@@ -204,7 +205,7 @@ def trl_train(cfg: g.Config, model, tokenizer, device, run: g.Run, stop) -> dict
     weights), then `cfg.steps` rollouts in GRPOTrainer on the prompts our loop would draw, then the
     same final checkpoint and test. The bookkeeping is a copy of train()'s, by design: the
     teaching file has no hooks for this one."""
-    splits = g.make_splits(cfg.task, cfg.test_size, cfg.val_size)
+    splits = g.make_splits(g.TASKS[cfg.task], cfg.test_size, cfg.val_size)
     rng = random.Random(cfg.seed)
     eps_low, eps_high = g.resolved_eps(cfg)
     summary = {"seed": cfg.seed, "loss": cfg.loss, "eps_low": eps_low, "eps_high": eps_high,
@@ -215,13 +216,13 @@ def trl_train(cfg: g.Config, model, tokenizer, device, run: g.Run, stop) -> dict
         summary["warmup_steps"] = g.warmup(model, tokenizer, splits, cfg, device, rng, run, stop)
         if stop.requested:                     # Ctrl-C during the warm-up: no RL at all
             raise KeyboardInterrupt
-        summary["accuracy_before_rl"] = g.accuracy(model, tokenizer, cfg.task, splits["test"],
+        summary["accuracy_before_rl"] = g.accuracy(model, tokenizer, g.TASKS[cfg.task], splits["test"],
                                                    cfg.max_new_tokens, device)
         run.checkpoint(model, tokenizer)
         print(f"warm-up done after {summary['warmup_steps']} steps | "
               f"test acc {summary['accuracy_before_rl']:.3f}", flush=True)
         # 2. TRL's RL steps, on the prompts our loop would draw, step after step, from the same rng
-        problems = g.sample_train_problems(splits, cfg.task, cfg.steps * cfg.prompts_per_step, rng)
+        problems = g.sample_train_problems(splits, cfg.steps * cfg.prompts_per_step, rng)
         trainer = build_trainer(cfg, model, tokenizer, problems, cfg.steps,
                                 os.path.join(run.dir, "trl_output"), device)
         summary.update(trainer="trl.GRPOTrainer", trl_config=trainer.args.to_dict())
@@ -231,7 +232,7 @@ def trl_train(cfg: g.Config, model, tokenizer, device, run: g.Run, stop) -> dict
             step = state.global_step // cfg.minibatches
             m, n_tok = rollout_record(trainer, cfg)
             if step % cfg.eval_every == 0 or step == cfg.steps:
-                m["val_acc"] = g.accuracy(model, tokenizer, cfg.task, splits["val"],
+                m["val_acc"] = g.accuracy(model, tokenizer, g.TASKS[cfg.task], splits["val"],
                                           cfg.max_new_tokens, device)
                 run.checkpoint(model, tokenizer)
             now = time.perf_counter()
@@ -251,7 +252,7 @@ def trl_train(cfg: g.Config, model, tokenizer, device, run: g.Run, stop) -> dict
     # 3. the final checkpoint and test, after Ctrl-C too
     summary["interrupted"] = stop.requested
     run.checkpoint(model, tokenizer, promote=summary["accuracy_before_rl"] is not None)
-    summary["accuracy_after_rl"] = g.accuracy(model, tokenizer, cfg.task, splits["test"],
+    summary["accuracy_after_rl"] = g.accuracy(model, tokenizer, g.TASKS[cfg.task], splits["test"],
                                               cfg.max_new_tokens, device)
     summary["rl_tokens_per_second"] = summary["rl_tokens"] / max(summary["rl_seconds"], 1e-9)
     summary["wall_seconds"] = time.perf_counter() - run.t_start
@@ -310,10 +311,11 @@ def load_start(path: str, device):
 
 def timed_run_ours(cfg: g.Config, start: str, device, n: int, stop_after: float | None = None,
                    score: bool = True):
-    """n rollouts of gspo_minimal's RL step from `start` (train()'s step without the evaluations).
+    """n rollouts of gspo_minimal's RL step (its own rollout and rl_update) from `start` (train()'s step
+    without the evaluations).
     Returns per-cycle seconds, completion tokens and sampling seconds, and the test accuracy
     (None without `score`)."""
-    splits = g.make_splits(cfg.task, cfg.test_size, cfg.val_size)
+    splits = g.make_splits(g.TASKS[cfg.task], cfg.test_size, cfg.val_size)
     eps_low, eps_high = g.resolved_eps(cfg)
     model, tokenizer = load_start(start, device)
     torch.manual_seed(cfg.seed)
@@ -322,26 +324,25 @@ def timed_run_ours(cfg: g.Config, start: str, device, n: int, stop_after: float 
     ends, tokens, sampling = [time.perf_counter()], [], []
     for _ in range(n):
         t0 = time.perf_counter()
-        batch = g.rollout(model, tokenizer,
-                          g.sample_train_problems(splits, cfg.task, cfg.prompts_per_step, rng),
-                          cfg, device)
+        batch = minimal.rollout(model, tokenizer, g.sample_train_problems(splits, cfg.prompts_per_step, rng),
+                                cfg, device, g.TASKS[cfg.task])
         sampling.append(time.perf_counter() - t0)
-        g.rl_update(model, opt, batch, cfg, eps_low, eps_high)
+        minimal.rl_update(model, opt, batch, cfg, eps_low, eps_high)
         sched.step()
         ends.append(time.perf_counter())
         tokens.append(int(batch["mask"].sum()))
         if stop_after is not None and ends[-1] - ends[0] >= stop_after:
             break
-    acc = g.accuracy(model, tokenizer, cfg.task, splits["test"], cfg.max_new_tokens, device) if score else None
+    acc = g.accuracy(model, tokenizer, g.TASKS[cfg.task], splits["test"], cfg.max_new_tokens, device) if score else None
     return [b - a for a, b in zip(ends, ends[1:])], tokens, sampling, acc
 
 
 def timed_run_trl(cfg: g.Config, start: str, device, n: int, stop_after: float | None = None,
                   score: bool = True, **overrides):
     """The same as timed_run_ours with TRL's GRPOTrainer (its LR schedule sized to n rollouts)."""
-    splits = g.make_splits(cfg.task, cfg.test_size, cfg.val_size)
+    splits = g.make_splits(g.TASKS[cfg.task], cfg.test_size, cfg.val_size)
     model, tokenizer = load_start(start, device)
-    problems = g.sample_train_problems(splits, cfg.task, n * cfg.prompts_per_step, random.Random(cfg.seed))
+    problems = g.sample_train_problems(splits, n * cfg.prompts_per_step, random.Random(cfg.seed))
     trainer = build_trainer(cfg, model, tokenizer, problems, n, os.path.join(BENCH_DIR, "trl_output"),
                             device, record_ratios=False, **overrides)
     ends, tokens, sampling = [], [], []
@@ -357,7 +358,7 @@ def timed_run_trl(cfg: g.Config, start: str, device, n: int, stop_after: float |
     trainer.add_callback(cycle_callback(cfg, on_cycle))
     ends.append(time.perf_counter())  # the first cycle also holds trainer start-up: discarded
     trainer.train()
-    acc = g.accuracy(model, tokenizer, cfg.task, splits["test"], cfg.max_new_tokens, device) if score else None
+    acc = g.accuracy(model, tokenizer, g.TASKS[cfg.task], splits["test"], cfg.max_new_tokens, device) if score else None
     return [b - a for a, b in zip(ends, ends[1:])], tokens, sampling, acc
 
 
@@ -435,7 +436,7 @@ def bench_main(argv: list[str]) -> int:
         tokenizer = g.build_char_tokenizer()
         model = g.build_tiny_model(tokenizer)
         run = g.Run(cfg.out)
-        splits = g.make_splits(cfg.task, cfg.test_size, cfg.val_size)
+        splits = g.make_splits(g.TASKS[cfg.task], cfg.test_size, cfg.val_size)
         with g.GracefulStop() as stop:
             g.warmup(model, tokenizer, splits, cfg, torch.device("cpu"), random.Random(cfg.seed), run, stop)
         run.checkpoint(model, tokenizer)

@@ -41,7 +41,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 import torch  # noqa: E402
 
-import gspo_minimal as g  # noqa: E402
+import gspo_lab as g  # noqa: E402
 from studies import common  # noqa: E402
 from studies.common import Parser, cli, fail, need, write_json  # noqa: E402
 
@@ -66,10 +66,10 @@ def fixed_rollout(tokenizer) -> list[dict]:
         return tokenizer(text, add_special_tokens=False).input_ids
     problems: dict[tuple[int, int], None] = {}            # distinct prompts, in the order drawn
     while len(problems) < CFG.prompts_per_step:
-        problems[g.draw_problem("add2", rng)] = None
+        problems[g.ADD2.draw(rng)] = None
     groups = []
     for j, (a, b) in enumerate(problems):
-        answer = g.answer_text("add2", a, b)
+        answer = g.TASKS["add2"].answer(a, b)
         right = [ids(answer) + [eos]] * (5 * j % 9)
         wrong = [[ids(str((a + b + rng.randint(1, 50)) % 199)) + [eos],          # never a + b
                   [eos],
@@ -77,7 +77,7 @@ def fixed_rollout(tokenizer) -> list[dict]:
                   ][k % 3] for k in range(G - len(right))]
         completions = right + wrong
         rng.shuffle(completions)
-        groups.append({"prompt": g.prompt_text("add2", a, b), "completions": completions,
+        groups.append({"prompt": g.TASKS["add2"].prompt(a, b), "completions": completions,
                        "rewards": [g.reward(ids, answer, tokenizer) for ids in completions]})
         assert sum(groups[-1]["rewards"]) == len(right), groups[-1]
     return groups

@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 import torch  # noqa: E402
 
-import gspo_minimal as g  # noqa: E402
+import gspo_lab as g  # noqa: E402
 from studies.common import (DEFAULTS, TRAIN_DIR, Parser, big_rollout, cli, load_checkpoint,  # noqa: E402
                             loglog_slope, logprobs_in_chunks, minibatch_ratios, one_update, problems,
                             variance_profile, warm_optimizer, write_json)
@@ -100,7 +100,7 @@ def measure_equivalence(model, tok, cfg, rng, n_prompts: int = 1280) -> dict:
 # shows how much), which alone bends the curve away from 1/L even for uncorrelated tokens.
 def sample_long(model, tok, n: int, length: int, rng: random.Random) -> dict:
     """n responses of exactly `length` tokens each, EOS forbidden, at temperature 1."""
-    texts = [g.prompt_text("add2", a, b) for a, b in problems(n, rng)]
+    texts = [g.TASKS["add2"].prompt(a, b) for a, b in problems(n, rng)]
     ids, attn = g.encode_prompts(tok, texts, "cpu")
     comp = g.sample_completions(model, ids, attn, length, tok.eos_token_id, tok.pad_token_id,
                                 temperature=1.0, suppress_eos=True)
