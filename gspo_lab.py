@@ -1020,7 +1020,8 @@ def train(cfg: Config, model, tokenizer, device, run, stop) -> dict:
                 m["val_acc"] = accuracy(model, tokenizer, task, splits["val"], cfg.max_new_tokens, device)
                 run.checkpoint(model, tokenizer)
             n_tok, dt = int(batch["mask"].sum()), time.perf_counter() - t0
-            m.update(reward=batch["rewards"].mean().item(), flat_groups=flat_group_share(batch["rewards"], cfg.group_size),
+            m.update(reward=batch["rewards"].mean().item(),
+                     flat_groups=flat_group_share(batch["rewards"], cfg.group_size),
                      response_tokens=n_tok / len(batch["rewards"]), tokens_per_second=n_tok / dt, step_seconds=dt)
             run.add_step(summary, step, n_tok, dt)
             run.log({"stage": "rl", "step": step, **m}, progress_line(step, cfg, m))

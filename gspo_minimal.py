@@ -306,7 +306,8 @@ def sample_completions(model, prompt_ids, prompt_mask, max_new_tokens: int, eos_
     """One completion per row, (B, T) token ids, T <= max_new_tokens; temperature 0 is greedy.
 
     Rows come in groups of `group_size` identical prompts (a rollout's layout): each prompt runs
-    through the model once per group and its KV cache is repeated G times. A hand-written loop over
+    through the model once per group and its KV cache (transformers' DynamicCache, passed as
+    `cache=`) is repeated G times. A hand-written loop over
     a DynamicCache rather than `model.generate`, so that every step is in view and the temperature
     matches `policy_logprobs` by construction (greedy output equals generate's, a test checks).
     Stopped rows receive `pad_id`; the loop ends when every row has stopped.
@@ -460,8 +461,8 @@ def gspo_loss(logp_new, logp_old, advantages, mask, eps_low: float = 3e-4, eps_h
               ) -> torch.Tensor:
     """GSPO: one clipped term per sequence, mean over sequences. (B, T) log-probs, (B,) advantages.
 
-    Its gradient is (eq. 10) s_i A_i (1/|y_i|) sum_t grad log pi(y_it): every token of a response
-    shares one weight. An empty row adds nothing (explicit `where`: the clipped term at s = 1 would
+    Its gradient is (eq. 10) s_i A_i (1/|y_i|) sum_t grad log pi(y_it) for an unclipped response:
+    every token of a response shares one weight. An empty row adds nothing (explicit `where`: the clipped term at s = 1 would
     add A), but still counts in the 1/B, as the paper's 1/G does.
     """
     s = importance_ratio(logp_new, logp_old, mask)                     # (B,)
@@ -689,11 +690,12 @@ def summarise_minibatches(logs: list[dict]) -> dict:
 def rl_update(model, opt, batch: dict, cfg: Config, eps_low: float, eps_high: float) -> dict:
     """Split one rollout into `minibatches` chunks of whole groups and take one clipped step on each.
 
-    pi_old is the policy that sampled the rollout. For chunk 1 it is the update's own pass,
-    detached (nothing has moved yet: s = 1 exactly); for the others, one pass BEFORE the first
-    update. Every later chunk is off-policy, which is where GSPO and GRPO differ. Whole groups: each
-    prompt runs once per chunk (`group_policy_logprobs`), and each chunk's advantages sum to 0 group
-    by group (TRL shuffles single completions instead).
+    pi_old is the policy that sampled the rollout, its log-probs recomputed by the trainer's own
+    pass (not taken from the sampler). For chunk 1 that is the update's own pass, detached (nothing
+    has moved yet: s = 1 exactly); for the others, one pass BEFORE the first update. Every later
+    chunk is off-policy, which is where GSPO and GRPO differ: at s = w = 1 both gradients are the
+    plain policy gradient (tutorial section 5). Whole groups: each prompt runs once per chunk
+    (`group_policy_logprobs`), and each chunk's advantages sum to 0 group by group.
     """
     G = cfg.group_size
     chunks = group_chunks(len(batch["rewards"]), G, cfg.minibatches, batch["rewards"].device)
@@ -714,6 +716,7 @@ def rl_update(model, opt, batch: dict, cfg: Config, eps_low: float, eps_high: fl
         loss = LOSS_FNS[cfg.loss](logp_new, logp_old, adv, mask, eps_low, eps_high)
         opt.zero_grad(set_to_none=True)
         loss.backward()
+        # a non-finite loss or gradient raises Diverged before the step; else the gradient norm
         norm = stop_if_not_finite(f"minibatch {k + 1} of {len(chunks)} of the next step", loss, model)
         if cfg.grad_clip > 0:      # clip_grad_norm_ without computing the norm a second time
             torch.nn.utils.clip_grads_with_norm_(model.parameters(), cfg.grad_clip, norm)
@@ -757,6 +760,7 @@ def train(cfg: Config, model, tokenizer, device, run, stop) -> dict:
 
         # 2. GSPO: each step is one rollout and `minibatches` optimiser steps on it.
         opt, sched = rl_optimizer(model, cfg)
+        evaluate_at = eval_steps(cfg)                   # every eval_every steps, and the last
         for step in range(1, cfg.steps + 1):
             if stop.requested:
                 break
@@ -768,12 +772,13 @@ def train(cfg: Config, model, tokenizer, device, run, stop) -> dict:
             m = rl_update(model, opt, batch, cfg, eps_low, eps_high)
             sched.step()                                 # the learning rate decays once per rollout
             # Evaluate on the validation set, and checkpoint, every `eval_every` steps and at the end.
-            if step in eval_steps(cfg):
+            if step in evaluate_at:
                 m["val_acc"] = accuracy(model, tokenizer, task, splits["val"], cfg.max_new_tokens, device)
                 run.checkpoint(model, tokenizer)
             # Log: one object in metrics.jsonl and one progress line, the same names in both.
             n_tok, dt = int(batch["mask"].sum()), time.perf_counter() - t0   # the whole step's time
-            m.update(reward=batch["rewards"].mean().item(), flat_groups=flat_group_share(batch["rewards"], cfg.group_size),
+            m.update(reward=batch["rewards"].mean().item(),
+                     flat_groups=flat_group_share(batch["rewards"], cfg.group_size),
                      response_tokens=n_tok / len(batch["rewards"]), tokens_per_second=n_tok / dt, step_seconds=dt)
             run.add_step(summary, step, n_tok, dt)
             run.log({"stage": "rl", "step": step, **m}, progress_line(step, cfg, m))

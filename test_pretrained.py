@@ -16,7 +16,7 @@ import sys
 import pytest
 import torch
 
-import gspo_minimal as g
+import gspo_lab as g
 
 pytestmark = pytest.mark.extra
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -106,7 +106,13 @@ def test_a_checkpoint_reloads_with_the_auto_classes(smollm, tmp_path):
 
 
 def test_two_gspo_steps_from_the_command_line(smollm, tmp_path):
-    path, _, _ = smollm
+    """The minimal script on the real model, from the folder save_pretrained writes (a .gguf file is
+    the lab's to load): two steps, each minibatch in one pass, and the line that names the lab's
+    memory options (135M parameters, above 20M)."""
+    _, model, tok = smollm
+    path = str(tmp_path / "smollm2")
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
     out = tmp_path / "run"
     cmd = [sys.executable, os.path.join(HERE, "gspo_minimal.py"), "--model", path, "--steps", "2",
            "--warmup-max-steps", "0", "--val-size", "4", "--test-size", "4", "--prompts-per-step",
@@ -115,6 +121,7 @@ def test_two_gspo_steps_from_the_command_line(smollm, tmp_path):
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
                          env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert res.returncode == 0, res.stderr[-2000:]
+    assert "the lab has --micro-batch and --gradient-checkpointing" in res.stdout.splitlines()[1]
     with open(out / "summary.json") as f:
         summary = json.load(f)
     assert summary["rl_steps"] == 2 and summary["config"]["model"] == path
@@ -131,7 +138,7 @@ def test_two_gspo_steps_from_the_command_line(smollm, tmp_path):
 UPDATE_PEAK_MB = 3200
 PEAK_PROBE = """
 import sys, torch
-import gspo_minimal as g
+import gspo_lab as g
 from studies.common import smollm_gguf
 def hwm():
     return next(int(l.split()[1]) / 1024 for l in open("/proc/self/status") if l.startswith("VmHWM"))
@@ -173,14 +180,14 @@ def test_a_micro_batched_update_on_long_answers_stays_within_its_memory(smollm):
 MEMORY_GOAL_MB = 4096
 FULL_LENGTH_PROBE = """
 import torch
-import gspo_minimal as g
+import gspo_lab as g
 from studies import pretrained_seeds as ps
 from studies.common import peak_rss_mb, smollm_gguf
 torch.manual_seed(0)
 model, tok = g.load_pretrained(smollm_gguf())
 cfg = g.settings_of([*ps.TRAIN, "--micro-batch", str(ps.ROWS_PER_PASS)])
 rows = cfg.prompts_per_step * cfg.group_size
-ids, attn = g.encode_prompts(tok, [g.prompt_text("add2-chat", 12, 30)] * rows, "cpu")
+ids, attn = g.encode_prompts(tok, [g.TASKS["add2-chat"].prompt(12, 30)] * rows, "cpu")
 rewards = torch.arange(rows, dtype=torch.float32) % 2
 batch = {"prompt_ids": ids, "prompt_mask": attn, "completions": torch.randint(100, 40000, (rows, cfg.max_new_tokens)),
          "mask": torch.ones(rows, cfg.max_new_tokens, dtype=torch.bool), "rewards": rewards,

@@ -1910,7 +1910,7 @@ def test_the_data_example_runs_the_tutorials_command():
     from studies import data_example
     with open(os.path.join(HERE, "tutorial.md")) as f:
         text = f.read()
-    block = text[text.index(".venv-pretrained/bin/python gspo_minimal.py --model \"$GGUF\" --data"):]
+    block = text[text.index(".venv-pretrained/bin/python gspo_lab.py --model \"$GGUF\" --data"):]
     tutorial = block[:block.index("```")].replace("\\\n", " ").split()
     printed = data_example.COMMAND.format(out="runs/data/subtract.jsonl").split()
     assert tutorial[1:] == printed + ["--out", "runs/subtract"]

@@ -20,7 +20,8 @@ import torch
 trl = pytest.importorskip("trl")
 pytestmark = pytest.mark.extra          # make test deselects it; make test-trl runs it
 
-import gspo_minimal as g  # noqa: E402
+import gspo_lab as g  # noqa: E402  the lab: relatives, aggregations, corrections
+import gspo_minimal as minimal  # noqa: E402  the algorithm's own three losses
 
 F64 = torch.float64
 
@@ -80,7 +81,7 @@ def test_gspo_loss_equals_trl_sequence_level_with_loss_type_grpo(tmp_path, seed)
                            epsilon=3e-4, epsilon_high=4e-4)
     new, old, adv, mask = batch(seed)
     v_trl, g_trl = trl_loss_and_grad(trainer, new, old, adv, mask)
-    v_ours, g_ours = ours(g.gspo_loss, new, old, adv, mask)
+    v_ours, g_ours = ours(minimal.gspo_loss, new, old, adv, mask)
     assert abs(v_trl.item() - v_ours.item()) <= 1e-10
     assert (g_trl - g_ours).abs().max().item() <= 1e-10
 
@@ -92,7 +93,7 @@ def test_grpo_loss_equals_trl_token_level_with_loss_type_grpo(tmp_path, seed):
     new, old, adv, mask = batch(seed)
     new = old + (new - old) * 1000                          # token ratios around GRPO's band
     v_trl, g_trl = trl_loss_and_grad(trainer, new, old, adv, mask)
-    v_ours, g_ours = ours(g.grpo_loss, new, old, adv, mask)
+    v_ours, g_ours = ours(minimal.grpo_loss, new, old, adv, mask)
     assert abs(v_trl.item() - v_ours.item()) <= 1e-10
     assert (g_trl - g_ours).abs().max().item() <= 1e-10
 
@@ -105,8 +106,8 @@ def test_a_correction_weight_enters_the_loss_as_trl_applies_its_importance_sampl
     same loss value and gradient as ours, for GSPO (sequence level) and GRPO (token level), loss_type
     grpo. TRL's own computation of that ratio runs only inside its vLLM generation path; here the
     ratio is ours, computed with TRL's bounds (clip_min 0.5, clip_max 3.0)."""
-    level, eps, fn = (("sequence", (3e-4, 4e-4), g.gspo_loss) if loss == "gspo" else
-                      ("token", (0.2, 0.27), g.grpo_loss))
+    level, eps, fn = (("sequence", (3e-4, 4e-4), minimal.gspo_loss) if loss == "gspo" else
+                      ("token", (0.2, 0.27), minimal.grpo_loss))
     trainer = make_trainer(tmp_path, importance_sampling_level=level, loss_type="grpo", epsilon=eps[0],
                            epsilon_high=eps[1])
     trainer.use_vllm = trainer.vllm_importance_sampling_correction = True
@@ -174,7 +175,7 @@ def test_trl_default_loss_type_weights_each_sequence_by_its_length(tmp_path):
                            epsilon=3e-4, epsilon_high=4e-4, steps_per_generation=1)
     new, old, adv, mask = batch(0)
     v_trl, g_trl = trl_loss_and_grad(trainer, new, old, adv, mask)
-    v_ours, g_ours = ours(g.gspo_loss, new, old, adv, mask)
+    v_ours, g_ours = ours(minimal.gspo_loss, new, old, adv, mask)
     lengths = mask.sum(-1).to(F64)
     # TRL's default: sum_i |y_i| l_i / sum_i |y_i|; the paper's: (1/B) sum_i l_i. Every sequence's
     # gradient is scaled by |y_i| / mean|y|: here from 1/3.6 (length 1) to 6/3.6 (length 6).
@@ -310,7 +311,7 @@ def test_off_policy_mask_equals_trl_and_masks_the_loss_as_trl_does(tmp_path, del
     trainer = make_trainer(tmp_path, importance_sampling_level="sequence", loss_type="grpo",
                            epsilon=3e-4, epsilon_high=4e-4, off_policy_mask_threshold=delta)
     v_trl, g_trl = trl_loss_and_grad(trainer, new, old, adv, mask)
-    v_ours, g_ours = ours(g.gspo_loss, new, old, adv, mask & keep[:, None])
+    v_ours, g_ours = ours(minimal.gspo_loss, new, old, adv, mask & keep[:, None])
     assert abs(v_trl.item() - v_ours.item()) <= 1e-10
     assert (g_trl - g_ours).abs().max().item() <= 1e-10
 

@@ -1,4 +1,4 @@
-"""The --data example: subtraction asked in words, written as a JSONL file that gspo_minimal.py trains on.
+"""The --data example: subtraction asked in words, written as a JSONL file that the script trains on.
 
     python studies/data_example.py runs/data/subtract.jsonl             # 500 rows, the same every time
     python studies/data_example.py runs/data/subtract.jsonl --rows 400  # another size (at most 527)
@@ -29,7 +29,7 @@ from studies.common import Parser, cli, fail  # noqa: E402
 SEED = 0
 PHRASINGS = ("What is {a} minus {b}?", "Subtract {b} from {a}.", "What do you get if you take {b} away from {a}?")
 QUESTIONS = [(a, b) for a in range(2, 33) for b in range(1, a + 1)]       # 527 subtractions
-COMMAND = ("gspo_minimal.py --model \"$GGUF\" --data {out} --reward last-number --test-size 100 --val-size 50 "
+COMMAND = ("gspo_lab.py --model \"$GGUF\" --data {out} --reward last-number --test-size 100 --val-size 50 "
            "--warmup-max-steps 0 --steps 12 --prompts-per-step 4 --group-size 16 --max-new-tokens 32 "
            "--temperature 0.3 --lr 1e-5 --eval-every 12")       # tutorial.md section 13's
 

@@ -313,7 +313,7 @@ def answer_forms(model, tok, problems, max_new: int, top: int = 4) -> dict:
 
 
 def scored_checkpoint(out: str, test, max_new: int) -> dict:
-    """A finished `gspo_minimal.py --model ... --out OUT` run: its summary and its checkpoint's greedy
+    """A finished `gspo_lab.py --model ... --out OUT` run: its summary and its checkpoint's greedy
     reward on every held-out problem (make pretrained's training runs and make pretrained-seeds')."""
     m, t = g.load_pretrained(os.path.join(out, "checkpoint"))
     return {"summary": read_json(os.path.join(out, "summary.json")),

@@ -74,12 +74,12 @@ def part(name: str, fn) -> dict:
 
 
 def scored_run(name: str, model: str, args: list[str], test) -> dict:
-    """One `python gspo_minimal.py` run in a process of its own, then its checkpoint's greedy reward
+    """One `python gspo_lab.py` run (the lab loads the .gguf file) in a process of its own, then its checkpoint's greedy reward
     on every held-out problem."""
     out = os.path.join(SEEDS_DIR, name)
-    code, peak = in_own_process("gspo_minimal.py", ["--model", model, *args, "--out", out])
+    code, peak = in_own_process("gspo_lab.py", ["--model", model, *args, "--out", out])
     if code:
-        fail(f"{name}: gspo_minimal.py exited with {code}; its log is above", 1)
+        fail(f"{name}: gspo_lab.py exited with {code}; its log is above", 1)
     return {**scored_checkpoint(out, test, int(option(args, "--max-new-tokens"))),
             "peak_rss_mb": peak, "settings": args}
 
@@ -208,11 +208,11 @@ def data_example(path: str) -> dict:
         fail("studies/data_example.py could not write the example file", 1)
     out = os.path.join(SEEDS_DIR, "data_example")
     args = ["--model", path, "--data", data, *D["train"], "--out", out]
-    code, peak = in_own_process("gspo_minimal.py", args)
+    code, peak = in_own_process("gspo_lab.py", args)
     if code:
         fail(f"the --data example exited with {code}", 1)
     s = read_json(os.path.join(out, "summary.json"))
-    return {"command": " ".join(["python gspo_minimal.py", *args]).replace(path, "$GGUF"),
+    return {"command": " ".join(["python gspo_lab.py", *args]).replace(path, "$GGUF"),
             "written_by": " ".join(["python", *write]), "settings": D,
             "reward_before_rl": s["accuracy_before_rl"], "reward_after_rl": s["accuracy_after_rl"],
             "wall_seconds": s["wall_seconds"], "peak_rss_mb": peak}
@@ -256,11 +256,11 @@ def pretrained_seeds(trl_python: str) -> dict:
 # ---------------------------------------------------------------------------------------------
 PHASE_RUN = "grpo_s0"                      # the run whose peak was the highest (4,102 MiB)
 PHASES = {"build": "prepare", "rollout": "rollout", "update": "rl_update",
-          "evaluation": "accuracy"}        # phase -> the gspo_minimal function it spans
+          "evaluation": "accuracy"}        # phase -> the lab's function it spans
 
 
 def phase_peaks(args: list[str]) -> dict:
-    """`python gspo_minimal.py ARGS` in this process, each phase's peak resident memory recorded
+    """`python gspo_lab.py ARGS` in this process, each phase's peak resident memory recorded
     per call: VmHWM reset as the phase starts and read as it ends, with the memory resident at its
     start; and each rollout's padded completion length (the longest answer of the step)."""
     calls: dict[str, list] = {name: [] for name in PHASES}
