@@ -106,8 +106,8 @@ def test_a_correction_weight_enters_the_loss_as_trl_applies_its_importance_sampl
     same loss value and gradient as ours, for GSPO (sequence level) and GRPO (token level), loss_type
     grpo. TRL's own computation of that ratio runs only inside its vLLM generation path; here the
     ratio is ours, computed with TRL's bounds (clip_min 0.5, clip_max 3.0)."""
-    level, eps, fn = (("sequence", (3e-4, 4e-4), minimal.gspo_loss) if loss == "gspo" else
-                      ("token", (0.2, 0.27), minimal.grpo_loss))
+    level, eps, fn = (("sequence", (3e-4, 4e-4), g.gspo_loss) if loss == "gspo" else      # the lab's: with
+                      ("token", (0.2, 0.27), g.grpo_loss))                                # --is-correction's weight
     trainer = make_trainer(tmp_path, importance_sampling_level=level, loss_type="grpo", epsilon=eps[0],
                            epsilon_high=eps[1])
     trainer.use_vllm = trainer.vllm_importance_sampling_correction = True
