@@ -1920,7 +1920,7 @@ def test_the_data_example_runs_the_tutorials_command():
 
 
 # --- provenance of the committed results ------------------------------------------------------------
-KEPT_COPIES = ("figures/figures_earlier_runs.json", "figures/pretrained_missed_goal.json",
+KEPT_COPIES = ("figures/figures_earlier_runs.json", "figures/pretrained_missed_goal.json", "figures/bench_before_lab.json",
                "figures/pretrained_previous_rollout.json", "figures/long_earlier_runs.json")   # earlier results kept beside their remake
 NOT_MADE_YET: tuple[str, ...] = ()           # a target's PNG not drawn yet, its JSON holding only its design
 
@@ -2883,6 +2883,29 @@ def test_the_committed_remedy_cells_come_again_from_its_runs_paired_with_the_mec
     assert len(record["runs"]) == 7 * 5 + 5 * sum(v["noise_from"] == "its own second RL streams"
                                                   for v in record["cells"].values())
     assert not record["dirty"] and record["figures_remedy_seconds"] <= record["design"]["budget_seconds"]
+
+
+def test_the_committed_readings_come_again_from_the_remedys_and_the_mechanisms_runs():
+    """figures/mechanism_readings.json (`python studies/mechanism.py readings`): the comparisons the rule
+    did not decide, recomputed from the two committed JSONs' runs, seed by seed."""
+    readings = common.read_json(os.path.join(HERE, "figures", "mechanism_readings.json"))
+    remedy = common.read_json(os.path.join(HERE, "figures", "mechanism_remedy.json"))
+    mech = common.read_json(os.path.join(HERE, "figures", "mechanism.json"))
+    again = json.loads(json.dumps(mechanism.remedy_readings(remedy, mech)))
+    provenance = {"command", "seconds", "measured_at_commit", "dirty", "dirty_paths", "versions", "threads", "host"}
+    assert {k: v for k, v in readings.items() if k not in provenance} == again
+    # the readings the docs quote, by hand from the runs: the reference's reruns, the two bands, the route
+    acc = {r["name"]: r["accuracy_after_rl"] for r in remedy["runs"] + mech["runs"]}
+    rerun = [acc[f"real_bf16_gspo_s{s}_rl{100 + s}"] for s in range(5)]
+    calibrated = [acc[f"real_bf16_calibrated_gspo_s{s}"] for s in range(5)]
+    assert again["against_reference_reruns"]["real_bf16_calibrated"]["median"] == pytest.approx(
+        statistics.median(c - r for c, r in zip(calibrated, rerun)))
+    assert again["against_reference_reruns"]["trl_route"]["positive"] == 5
+    assert [round(v, 3) for v in again["calibrated_minus_wide"]["by_seed"].values()] == [0.006, -0.004, -0.024, -0.026, 0.016]
+    assert again["calibrated_minus_trainer_paper_band"]["positive"] == 4
+    leaning = again["mechanism_cells_one_sign_on_every_seed"]
+    assert sorted(c for c, v in leaning.items() if v["sign"] < 0 and not v["called"]) == [
+        "real_fp16", "synth_bias", "synth_both", "synth_both_large"]
 
 
 # --- make mechanism-smollm2: the lens's prediction and the scoring (studies/smollm2_step.py) ---------

@@ -601,7 +601,7 @@ def drop_job(job: dict, kind: str, rate: float) -> dict:
 
 
 def drop_run(kind: str, rate: float, argv: list[str]) -> int:
-    """gspo_minimal.main(argv) with minibatch 1's chosen sequences given advantage 0 at every step:
+    """gspo_lab.main(argv) with minibatch 1's chosen sequences given advantage 0 at every step:
     `random`, each with probability `rate` (its own generator, seeded by the run's seed and step);
     `gap`, those the sampler's record as pi_old would have clipped on their active side;
     `random_all` (geo-check's), like `random` over the whole rollout, every minibatch. The random

@@ -194,7 +194,7 @@ def is_collapsed(start: float, curve: list[float]) -> bool:
 
 def pooled_quantiles(rl: list[dict], key: str) -> list[list[float]]:
     """Per minibatch index, over the run's steps: the median of each step's p50, p90 and p99, and the
-    largest maximum (the script logs each step's quantiles, `gspo_minimal.quantiles`)."""
+    largest maximum (the script logs each step's quantiles, `gspo_lab.quantiles`)."""
     per_step = [r[key] for r in rl if key in r]
     if not per_step:
         return []

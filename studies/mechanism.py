@@ -11,11 +11,14 @@
                                                 # projection into figures/mechanism_remedy.json
     python studies/mechanism.py remedy       # make figures-remedy: the remedy's runs (resumable), then
                                              # their verdicts against mechanism.json's references
+    python studies/mechanism.py readings     # comparisons the rule did not decide, read from the two
+                                             # committed JSONs' runs (no training, seconds):
+                                             # figures/mechanism_readings.json
 
 At theta = theta_old an engine's record hands GSPO log s = mean_t d_t, d_t = log pi_old(y_t) - log
 record(y_t), whose mean over a response of n tokens is -K (the per-token KL floor: a bias that
 length does not remove) and whose spread is sigma / sqrt(n) (a noise that it does). The synthetic
-engine (gspo_minimal.synthetic_gap) draws d_t independently from N(-K, SIGMA^2) on the trainer's own
+engine (gspo_lab.synthetic_gap) draws d_t independently from N(-K, SIGMA^2) on the trainer's own
 pass, so bias and noise can be set apart. Before any training run rests on it, this file calibrates
 it against the real thing:
 
@@ -67,7 +70,9 @@ from studies.common import (Ledger, Parser, cli, common_sign, fail, kept_design,
                             read_json, rewrite_json, run_jobs, script_job, second_stream_noise, write_json,
                             write_result)
 
-OUTPUTS = ("figures/mechanism_calibration.json", "figures/mechanism.json", "figures/mechanism_remedy.json")
+OUTPUTS = ("figures/mechanism_calibration.json", "figures/mechanism.json", "figures/mechanism_remedy.json",
+           "figures/mechanism_readings.json")
+READINGS_JSON = "figures/mechanism_readings.json"
 CAL_JSON = "figures/mechanism_calibration.json"
 CAL_RUNS = "runs/mechanism"
 CAL_SEEDS = (0, 1, 2)
@@ -576,6 +581,42 @@ def rem_verdicts(design: dict, acc: dict, mech_acc: dict, mech_noises: list[floa
     return out
 
 
+def remedy_readings(remedy: dict, mech: dict) -> dict:
+    """Comparisons the remedy's rule did not decide, read from the committed runs, test accuracy after
+    RL seed by seed (no rule applied to any of them; each is a reading, made after the data):
+
+      * against the reference's own reruns: GSPO(cell) - GSPO(real_bf16, second RL stream), the
+        reference arm's rerun standing in for the reference (it moved 0.196 on its rerun);
+      * the calibrated band against the fixed widened one, and against the trainer's pi_old at the
+        paper's band (bf16_trainer): how much of a gain a wider band gives with no record at all;
+      * mechanism.json's cells that lean one way on every seed, called or not."""
+    seeds = sorted({r["seed"] for r in remedy["runs"]})
+    acc, _ = mech_accuracies(remedy)
+    mech_acc, _ = mech_accuracies(mech)
+    rerun = mech_acc["real_bf16"]["noise"]                     # GSPO on the record, second RL streams
+
+    def minus(a: dict, b: dict) -> dict:
+        diff = {str(s): a[s] - b[s] for s in seeds}
+        return {"by_seed": diff, "median": statistics.median(diff.values()),
+                "positive": sum(v > 0 for v in diff.values()), "negative": sum(v < 0 for v in diff.values())}
+    out = {"seeds": seeds, "reference_rerun_of": "real_bf16 (mechanism.json), GSPO, second RL streams",
+           "against_reference_reruns": {c: minus(acc[c]["gspo"], rerun) for c in
+                                        ("real_bf16_calibrated", "real_bf16_wide", "trl_route", "control_recentre")},
+           "calibrated_minus_wide": minus(acc["real_bf16_calibrated"]["gspo"], acc["real_bf16_wide"]["gspo"]),
+           "calibrated_minus_trainer_paper_band": minus(acc["real_bf16_calibrated"]["gspo"], acc["bf16_trainer"]["gspo"]),
+           "wide_minus_trainer_paper_band": minus(acc["real_bf16_wide"]["gspo"], acc["bf16_trainer"]["gspo"])}
+    same_sign = {}
+    for c, v in mech["cells"].items():
+        signs = {(d > 0) - (d < 0) for d in v["differences_by_seed"].values()}
+        if len(signs) == 1:
+            same_sign[c] = signs.pop()
+    out["mechanism_cells_one_sign_on_every_seed"] = {c: {"sign": sign, "called": mech["cells"][c]["separates"],
+                                                         "median": mech["cells"][c]["median_difference"]}
+                                                     for c, sign in sorted(same_sign.items())}
+    out["mechanism_cells"] = len(mech["cells"])
+    return out
+
+
 def rem_projection(design: dict, timing: dict) -> dict:
     """The target's seconds from the prototype's timed runs (alone, one thread), two at a time: every
     cell's GSPO runs and every decided cell's second streams (the most the rule can ask for)."""
@@ -674,8 +715,14 @@ def print_verdicts(cells: dict, path: str) -> None:
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = Parser(description=__doc__.splitlines()[0])
-    parser.add_argument("what", choices=["calibrate", "design", "figures", "remedy-design", "remedy"])
+    parser.add_argument("what", choices=["calibrate", "design", "figures", "remedy-design", "remedy", "readings"])
     what = parser.parse_args(argv).what
+    if what == "readings":
+        t0 = time.perf_counter()
+        res = remedy_readings(read_json(REM_JSON), read_json(MECH_JSON))
+        write_json(READINGS_JSON, res, "python studies/mechanism.py readings", time.perf_counter() - t0)
+        print(json.dumps(res, indent=1, allow_nan=False))
+        return 0
     from transformers.utils import logging as hf_logging
     hf_logging.disable_progress_bar()
     if what == "remedy-design":

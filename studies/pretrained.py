@@ -76,7 +76,7 @@ PRE = {
     "micro_batch": 2,           # rows per forward and backward pass in the updates (none before the
                                 # goal; 4, the script's default at 256 tokens, peaked above it)
     "sample_rows": 16,          # rows sampled at a time in the update's rollouts: one group's KV cache
-                                # (gspo_minimal.SAMPLE_TOKENS // 256; all 96 at once before the goal)
+                                # (gspo_lab.SAMPLE_TOKENS // 256; all 96 at once before the goal)
     "peak_rss_goal_mb": 4096,   # every part that loads SmolLM2 but token_logprobs
     "malloc_mmap_threshold": 1 << 20,   # MALLOC_MMAP_THRESHOLD_ of every part that loads SmolLM2:
                                 # glibc then maps each block of 1 MiB or more on its own and unmaps

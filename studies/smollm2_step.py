@@ -14,7 +14,7 @@ a response on its active side with probability
     A > 0:  P(log s > hi) = 1 - Phi((hi + K) sqrt(n) / sigma)
 
 with lo = log(1 - eps_low), hi = log(1 + eps_high) for the paper's band, and the calibrated band's
-own bounds (gspo_minimal.calibrated_band) for --eps-engine's. Per seed, one rollout of SmolLM2-135M
+own bounds (gspo_lab.calibrated_band) for --eps-engine's. Per seed, one rollout of SmolLM2-135M
 on arithmetic word problems (G answers each, scored by their last number), sampled as make engine
 samples it, but at make pretrained's temperature 0.6 (at 1 the model's answers earned no reward in
 the prototype, so no advantage had a sign): the bf16 copy draws every token while the float32 model
@@ -23,10 +23,10 @@ reads the same tokens, EOS allowed (natural answers), at most STEP["max_new_toke
   1. K (the per-token KL of the bf16 copy from the model, from the decode) and sigma (the standard
      deviation of the trainer-record gaps d_t) of this rollout's own answers, and the lens's
      prediction per response and sign of A, written to the part's folder BEFORE any scoring;
-  2. the scoring: GSPO's active-side clip shares by sign of A (gspo_minimal.ratio_metrics's count)
+  2. the scoring: GSPO's active-side clip shares by sign of A (gspo_lab.ratio_metrics's count)
      with the real record as pi_old, under the paper's band and under the calibrated band (Z =
      STEP["z"], K-hat and SIGMA-hat from this rollout's gaps, as the flag estimates them); then the
-     same with the synthetic engine's record (gspo_minimal.synthetic_gap at make engine's K and
+     same with the synthetic engine's record (gspo_lab.synthetic_gap at make engine's K and
      sigma for SmolLM2) in place of the real one;
   3. the gradient of GSPO's loss in each setting against the gradient with the trainer's pi_old
      (s = 1, nothing clips): their cosine and norm ratio, over the whole rollout as one minibatch.
@@ -147,7 +147,7 @@ def log_band(eps_low, eps_high) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def clip_shares(logp, logp_old, adv, mask, eps_low, eps_high) -> dict:
-    """GSPO's active-side clip counts by sign of A (gspo_minimal.ratio_metrics) and their shares, in
+    """GSPO's active-side clip counts by sign of A (gspo_lab.ratio_metrics) and their shares, in
     float64 as `sequence_weights` decides them, so a response clipped here gets no gradient there."""
     eps_low, eps_high = (e.double() if torch.is_tensor(e) else e for e in (eps_low, eps_high))
     r = g.ratio_metrics(logp.double(), logp_old.double(), adv.double(), mask, "gspo", eps_low, eps_high)

@@ -13,7 +13,7 @@ advantages step 1 saw, a checksum of its starting weights) and OUT/grad_rank{r}.
 step 1 after backward, before clipping, which under DDP is the all-reduced one every rank holds.
 test_trl.py runs both (accelerate 1.15's `accelerate launch --cpu` starts one process whatever
 --num_processes says, so torchrun starts these), compares the two gradients, and compares
-gspo_minimal.rl_update on the same rollout. A run on N processes stops with exit code 1 unless
+the lab's rl_update (gspo_minimal's at its defaults) on the same rollout. A run on N processes stops with exit code 1 unless
 torch.distributed reports a world of N.
 
 Everything is TRL's own code (tokenising, rewards gathered across ranks, group advantages, the

@@ -4,7 +4,7 @@
                                  # (`make train`) when runs/train/checkpoint is missing
 
 Four measurements on real rollouts of the trained checkpoint, each with a real GSPO update at the
-script's defaults (`gspo_minimal.rl_update`, its optimiser warmed up by a few real steps):
+script's defaults (the lab's `rl_update`, which is gspo_minimal's at these defaults; its optimiser warmed up by a few real steps):
   1. the three forms of the sequence ratio s agree to round-off, in float32 and float64 (results.md,
      "The identity");
   2. Var(log s) against the response length, with bootstrap 95% intervals, against the reference
