@@ -66,6 +66,16 @@ def tiny_run(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_lab_run(tmp_path_factory):
+    """(run folder, its summary.json) of `gspo_lab.py TINY --seed 0`: the tiny run as the studies' jobs
+    make it, every metric of the lab logged (at its defaults the values are the script's)."""
+    out = str(tmp_path_factory.mktemp("runs") / "tiny_lab")
+    assert lab.main(TINY + ["--out", out, "--seed", "0"]) == 0
+    with open(os.path.join(out, "summary.json")) as f:
+        return out, json.load(f)
+
+
+@pytest.fixture(scope="session")
 def tiny_addwork_run(tmp_path_factory):
     """(run folder, its summary.json) of a 2-step `gspo_lab.py --task addwork` run, trained once per test run."""
     out = str(tmp_path_factory.mktemp("runs") / "addwork")

@@ -19,7 +19,7 @@ import torch
 
 import gspo_lab as g
 import gspo_minimal as minimal
-from conftest import TINY, pre_split, tiny_llama_for
+from conftest import PRE_MOVE, TINY, at_commit, pre_split, tiny_llama_for
 from studies import (common, engine, family, figures, frontier, gpu_check, lens, long, map as regimes, mechanism,
                      metrics, pretrained, pretrained_seeds, smollm2_step, speed, trl_compare, verify)
 
@@ -726,6 +726,13 @@ def patch_items(monkeypatch, name: str, **items) -> None:
             monkeypatch.setitem(d, key, value)
 
 
+def patch_script(monkeypatch, name: str, make) -> None:
+    """Set `name` on the module the studies call now (the lab, g) and on gspo_minimal.py as it was
+    before the lab moved out (what the pre-split studies call): `make(module)` gives each its value."""
+    for module in (g, at_commit(PRE_MOVE, "gspo_minimal.py")):
+        monkeypatch.setattr(module, name, make(module))
+
+
 def assert_same(a, b, where: str = "result", clock=()) -> None:
     """a and b equal in type and value, floats bit for bit (NaN equals NaN), tensors element for
     element, dicts key for key in the same order. A dict's `command` is not compared (see above),
@@ -733,6 +740,8 @@ def assert_same(a, b, where: str = "result", clock=()) -> None:
     if dataclasses.is_dataclass(a) and dataclasses.is_dataclass(b):    # a Config: the pre-move script's or the lab's,
         a, b = (dict(sorted(dataclasses.asdict(x).items())) for x in (a, b))   # the same fields in another order
     assert type(a) is type(b), f"{where}: {type(a).__name__} != {type(b).__name__}"
+    if isinstance(a, dict) and where.endswith("['config']"):    # the lab's Config lists the script's fields first
+        a, b = dict(sorted(a.items())), dict(sorted(b.items()))
     if isinstance(a, dict):
         ka = [k for k in a if k != "command" and k not in clock]
         kb = [k for k in b if k != "command" and k not in clock]
@@ -804,7 +813,7 @@ def fake_run(folder: str, name: str, args, tiny: str, steps: int, eval_every: in
 
 
 @pytest.fixture(scope="session")
-def study_tree(tiny_run, tiny_addwork_run, tmp_path_factory):
+def study_tree(tiny_lab_run, tiny_addwork_run, tmp_path_factory):
     """A folder holding runs/figures, runs/family and runs/long as the three targets leave them
     (summaries and metrics; seed 0's addwork warm-up with the tiny addwork run's checkpoint), and
     the per-half accuracies long_summary takes. Built from the old module's run lists."""
@@ -815,10 +824,10 @@ def study_tree(tiny_run, tiny_addwork_run, tmp_path_factory):
                                        (e.family_runs(), e.FAMILY_RUNS, e.FIG_STEPS, 10),
                                        (e.long_runs(), e.LONG_RUNS, e.LONG_STEPS, 5)):
         for name, args in runs:
-            fake_run(os.path.join(root, folder), name, args, tiny_run[0], steps, every, parser)
+            fake_run(os.path.join(root, folder), name, args, tiny_lab_run[0], steps, every, parser)
     for seed in e.SEEDS:
         fake_run(os.path.join(root, e.LONG_RUNS), f"warmup_s{seed}", ["--seed", str(seed)],
-                 tiny_run[0], 1, 1, parser)
+                 tiny_lab_run[0], 1, 1, parser)
     shutil.copytree(os.path.join(tiny_addwork_run[0], "checkpoint"),
                     os.path.join(root, e.warm_dir(0), "checkpoint"))
     rng = random.Random(0)
@@ -952,9 +961,8 @@ def test_golden_length_split_accuracy_by_length_and_long_variance(study_tree, ti
     # long_variance on the tiny addwork checkpoint (runs/long/warmup_s0), its rollout made small
     patch_items(monkeypatch, "LONG_VARIANCE", prompts=2, optimizer_warmup_steps=1, bins=2,
                 prefix_lengths=[1, 2, 4], bootstrap_resamples=50)
-    parse = g.parse_config
-    monkeypatch.setattr(g, "parse_config", lambda argv: parse(
-        [*argv, "--prompts-per-step", "2", "--group-size", "8", "--minibatches", "2", "--max-new-tokens", "24"]))
+    small = ["--prompts-per-step", "2", "--group-size", "8", "--minibatches", "2", "--max-new-tokens", "24"]
+    patch_script(monkeypatch, "parse_config", lambda m: (lambda parse: lambda argv: parse([*argv, *small]))(m.parse_config))
     same_call("long_variance")
 
 
@@ -966,8 +974,8 @@ def test_golden_pretrained_measurement_and_answers_on_a_tiny_bpe_model(bpe_token
     patch_items(monkeypatch, "PRE", word_prompts=8, clip_prompts=4, group_size=2, max_new_tokens=80,
                 float64_sequences=4, bootstrap_resamples=50, lr=1e-3, clip_lrs=[1e-3], logprob_chunk=8,
                 micro_batch=0)
-    monkeypatch.setattr(g, "sample_completions", functools.partial(g.sample_completions, suppress_eos=True))
-    monkeypatch.setattr(g, "reward", lambda row, answer, tok, task: float(sum(row) % 2))
+    patch_script(monkeypatch, "sample_completions", lambda m: functools.partial(m.sample_completions, suppress_eos=True))
+    patch_script(monkeypatch, "reward", lambda m: lambda row, answer, tok, task: float(sum(row) % 2))
     tok = bpe_tokenizer
     before = old("measure_pretrained_update")(tiny_llama_for(tok), tok)
     after = now("measure_pretrained_update")(tiny_llama_for(tok), tok)
@@ -1039,7 +1047,8 @@ def test_golden_clipping_branches_and_routing(tiny_run, monkeypatch):
     patch_everywhere(monkeypatch, "DEFAULTS", small())
     patch_everywhere(monkeypatch, "CLIP_STATE_STEPS", 2)
     patch_everywhere(monkeypatch, "CLIP_STEPS", 2)
-    monkeypatch.setattr(g, "Config", small)        # the branches' g.Config(loss=...): the same small batch
+    patch_script(monkeypatch, "Config",            # the branches' g.Config(loss=...): the same small batch
+                 lambda m: functools.partial(m.Config, prompts_per_step=4, group_size=4, minibatches=2))
     same_call("measure_clipping", os.path.join(tiny_run[0], "checkpoint"))
     monkeypatch.undo()
     cfg = g.Config(prompts_per_step=32, group_size=2, minibatches=2)
@@ -1677,13 +1686,13 @@ def test_map_pilot_reads_figures_json():
 
 
 @pytest.mark.thorough          # 2 s, a plot
-def test_map_summary_and_plot_on_fake_runs(tiny_run, tmp_path, monkeypatch):
+def test_map_summary_and_plot_on_fake_runs(tiny_lab_run, tmp_path, monkeypatch):
     """Every run folder the first phase leaves, copied from the tiny run with chosen accuracies and
     validation curves: the records, the verdicts, the collapses and the plot."""
     monkeypatch.chdir(tmp_path)
-    with open(os.path.join(tiny_run[0], "summary.json")) as f:
+    with open(os.path.join(tiny_lab_run[0], "summary.json")) as f:
         summary = json.load(f)
-    with open(os.path.join(tiny_run[0], "metrics.jsonl")) as f:
+    with open(os.path.join(tiny_lab_run[0], "metrics.jsonl")) as f:
         rl = [json.loads(line) for line in f if '"rl"' in line]
 
     def write(folder, records, **fields):
@@ -1727,13 +1736,13 @@ def test_map_summary_and_plot_on_fake_runs(tiny_run, tmp_path, monkeypatch):
     assert os.path.getsize(os.path.join("figures", "map.png")) > 10_000
 
 
-def test_map_clip_phase_reruns_the_bf16_cells_and_keeps_the_rest_of_map_json(tiny_run, tmp_path, monkeypatch):
+def test_map_clip_phase_reruns_the_bf16_cells_and_keeps_the_rest_of_map_json(tiny_lab_run, tmp_path, monkeypatch):
     """make figures-map CLIP=1 on fake runs: the 12 jobs it asks for, the per-minibatch clip shares it
     reads back, each run beside its map.json twin, and map.json's first phase left as it was."""
     monkeypatch.chdir(tmp_path)
-    with open(os.path.join(tiny_run[0], "summary.json")) as f:
+    with open(os.path.join(tiny_lab_run[0], "summary.json")) as f:
         summary = json.load(f)
-    with open(os.path.join(tiny_run[0], "metrics.jsonl")) as f:
+    with open(os.path.join(tiny_lab_run[0], "metrics.jsonl")) as f:
         rl = [json.loads(line) for line in f if '"rl"' in line]
     first = {"command": "python studies/map.py", "measured_at_commit": "abc", "design": regimes.design(0.5),
              "runs": [{"name": regimes.run_name(c, loss, s), "accuracy_after_rl": 0.5}
@@ -1921,6 +1930,7 @@ def test_the_data_example_runs_the_tutorials_command():
 
 # --- provenance of the committed results ------------------------------------------------------------
 KEPT_COPIES = ("figures/figures_earlier_runs.json", "figures/pretrained_missed_goal.json", "figures/bench_before_lab.json",
+               "figures/train_seeds_before_lab.json",
                "figures/pretrained_previous_rollout.json", "figures/long_earlier_runs.json")   # earlier results kept beside their remake
 NOT_MADE_YET: tuple[str, ...] = ()           # a target's PNG not drawn yet, its JSON holding only its design
 

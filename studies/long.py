@@ -96,7 +96,7 @@ def long_jobs() -> list[dict]:
 def length_split(task: str = "addwork") -> dict[str, list]:
     """The test problems in two halves by the length of their solutions, short and long (sorted
     by length, ties in the test set's order, cut in the middle)."""
-    test = g.make_splits(task, DEFAULTS.test_size, DEFAULTS.val_size)["test"]
+    test = g.make_splits(g.TASKS[task], DEFAULTS.test_size, DEFAULTS.val_size)["test"]
     ranked = sorted(test, key=lambda p: len(g.TASKS[task].solution(*p)))
     return {"short": ranked[:len(ranked) // 2], "long": ranked[len(ranked) // 2:]}
 
