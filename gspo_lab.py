@@ -100,6 +100,11 @@ class Config(g.Config):
     record_noise: str = ""
     """synthetic engine, "K,SIGMA": pi_old is the trainer's own pass shifted by a gap d_t ~ N(-K, SIGMA^2)
     per token, as if an engine had recorded it (float32 sampler, --old-logprobs trainer; `synthetic_gap`)"""
+    record_bins: str = ""
+    """heteroscedastic synthetic engine, "P1:M1:S1,P2:M2:S2,...,1:Mn:Sn": as --record-noise, but each
+    token's gap d_t ~ N(M_b, S_b^2) by the bin b of the trainer's probability of the sampled token
+    (bins [0, P1), [P1, P2), ..., [P(n-1), 1]: a real record's gap by bin, as measured, copied; float32
+    sampler, --old-logprobs trainer; exclusive with --record-noise; `synthetic_gap`)"""
     eps_engine: float | None = None
     """calibrated band, Z: GSPO's band on log s moved by the record's bias -K and widened by Z SIGMA /
     sqrt(|y|), K and SIGMA estimated from minibatch 1's gaps of the earlier steps (`calibrated_band`)"""
@@ -710,7 +715,7 @@ def sampling_model(model, cfg: Config):
 def engine_differs(cfg: Config) -> bool:
     """Whether pi_old's record differs from the trainer by construction: another dtype, a nucleus
     (--top-p) or the synthetic engine. Such runs log log s at theta_old (and a real engine its KL)."""
-    return cfg.sampler_dtype != "float32" or cfg.top_p < 1 or bool(cfg.record_noise)
+    return cfg.sampler_dtype != "float32" or cfg.top_p < 1 or bool(cfg.record_noise or cfg.record_bins)
 
 
 KL_ELEMENTS = 2 ** 22      # logits per piece of `engine_kl_tokens`: 16 MiB in float32, any vocabulary
@@ -767,7 +772,7 @@ def rollout(model, tokenizer, problems, cfg: Config, device) -> dict:
     if cfg.shuffle_rewards:           # the control: same reward statistics, no relation to answers
         rewards = rewards[torch.randperm(len(rewards), device=device)]
     return {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "completions": completions, "mask": mask,
-            "rewards": rewards, "sampler_logprobs": sampled, "record_gap": synthetic_gap(mask, cfg),  # (B, T)
+            "rewards": rewards, "sampler_logprobs": sampled, "record_gap": synthetic_gap(mask, cfg, sampled),
             "advantages": group_advantages(rewards, G, scale=cfg.scale_rewards == "group")}
 
 
@@ -1011,7 +1016,7 @@ def train(cfg: Config, model, tokenizer, device, run, stop) -> dict:
             problems = sample_train_problems(splits, cfg.prompts_per_step, rng)
             sampler = sampling_model(model, cfg)
             batch = rollout(sampler, tokenizer, problems, cfg, device)
-            if engine_differs(cfg) and not cfg.record_noise:      # a real engine's two distributions: KL
+            if engine_differs(cfg) and not (cfg.record_noise or cfg.record_bins):   # a real engine's: KL
                 batch["engine_kl_tokens"] = engine_kl_tokens(sampler, model, batch, cfg)
             del sampler
             m = rl_update(model, opt, batch, cfg, eps_low, eps_high)
@@ -1082,21 +1087,40 @@ def record_noise_values(cfg: Config) -> tuple[float, float] | None:
     return k, sigma
 
 
-def synthetic_gap(mask: torch.Tensor, cfg: Config) -> torch.Tensor | None:
+def record_bins_values(cfg: Config) -> list[tuple[float, float, float]] | None:
+    """--record-bins' (upper edge, mean, spread) per bin, None without it (`validate` has checked it)."""
+    if not cfg.record_bins:
+        return None
+    return [tuple(float(v) for v in part.split(":")) for part in cfg.record_bins.split(",")]
+
+
+def bin_gaps(z: torch.Tensor, logp: torch.Tensor, bins: list[tuple[float, float, float]]) -> torch.Tensor:
+    """Standard normal draws z (B, T) made into gaps M_b + S_b z by the bin b of exp(logp), the
+    trainer's probability of each token: bins [0, P1), [P1, P2), ..., the last closed at 1."""
+    edges = torch.tensor([b[0] for b in bins[:-1]], dtype=torch.float64)
+    means, spreads = (torch.tensor([b[k] for b in bins], dtype=torch.float32) for k in (1, 2))
+    which = (logp.double().exp().unsqueeze(-1) >= edges).sum(-1)                  # (B, T) bin index
+    return z * spreads[which] + means[which]
+
+
+def synthetic_gap(mask: torch.Tensor, cfg: Config, logp: torch.Tensor | None = None) -> torch.Tensor | None:
     """The synthetic engine's gap d_t = log pi_old(y_t) - log record(y_t) at each token of a rollout,
     (B, T) float32, 0 after a row's EOS: independent draws of N(-K, SIGMA^2), K and SIGMA from
-    --record-noise; None without it. The draws come from a generator of the run's own (made at the
-    first rollout, kept on `cfg`), so the rollout and every other random number are those of the
-    run without the flag, and K = SIGMA = 0 gives that run exactly. `rl_update` subtracts d_t from
+    --record-noise; or, with --record-bins, of N(M_b, S_b^2) by the bin of the token's probability
+    under the trainer, read from `logp` (B, T), the float32 sampler's record of its own tokens, which
+    is the trainer's pass to round-off; None without either flag. The draws come from a generator of
+    the run's own (made at the first rollout, kept on `cfg`), so the rollout and every other random
+    number are those of the run without the flag, and a zero gap (K = SIGMA = 0, or every bin's mean
+    and spread 0) gives that run exactly. `rl_update` subtracts d_t from
     the trainer's pi_old; at theta = theta_old a response of n tokens then has log s = mean_t d_t,
     of mean -K and variance SIGMA^2 / n: tutorial section 12's model of an engine's gap, with a
     bias that length does not remove and a noise that it does."""
-    values = record_noise_values(cfg)
-    if values is None:
+    values, bins = record_noise_values(cfg), record_bins_values(cfg)
+    if values is None and bins is None:
         return None
-    k, sigma = values
     gen = run_state(cfg, "_record_generator", lambda: torch.Generator().manual_seed(cfg.seed ^ RECORD_SEED_MIX))
-    d = torch.randn(mask.shape, generator=gen) * sigma - k                     # (B, T), on the CPU
+    z = torch.randn(mask.shape, generator=gen)                                  # (B, T), on the CPU
+    d = z * values[1] - values[0] if bins is None else bin_gaps(z, logp.detach().cpu(), bins)
     return torch.where(mask.cpu() != 0, d, torch.zeros(())).to(mask.device)
 
 
@@ -1273,13 +1297,33 @@ def validate(cfg: Config) -> None:
         if (cfg.sampler_dtype, cfg.top_p, cfg.old_logprobs, cfg.is_correction) != ("float32", 1.0, "trainer", "none"):
             raise BadInput("--record-noise shifts the trainer's own pi_old: it needs --sampler-dtype float32, "
                            "--top-p 1, --old-logprobs trainer and no --is-correction")
+    if cfg.record_bins:
+        try:
+            bins = record_bins_values(cfg)
+            ok = all(len(b) == 3 for b in bins)
+        except ValueError:
+            ok = False
+        if not ok:
+            raise BadInput(f"--record-bins takes EDGE:MEAN:SPREAD per bin, comma-separated, e.g. "
+                           f"0.5:-3e-4:0.022,1:1e-5:7e-5; got {cfg.record_bins!r}")
+        edges = [b[0] for b in bins]
+        if not (all(math.isfinite(v) for b in bins for v in b) and all(b[2] >= 0 for b in bins)
+                and all(0 < a < c for a, c in zip(edges, edges[1:])) and edges[-1] == 1 and edges[0] > 0):
+            raise BadInput(f"--record-bins' edges must rise within (0, 1] and end at 1, its spreads be >= 0 "
+                           f"and every number finite; got {cfg.record_bins}")
+        if cfg.record_noise:
+            raise BadInput("--record-bins and --record-noise are two synthetic engines: give one")
+        if (cfg.sampler_dtype, cfg.top_p, cfg.old_logprobs, cfg.is_correction) != ("float32", 1.0, "trainer", "none"):
+            raise BadInput("--record-bins shifts the trainer's own pi_old: it needs --sampler-dtype float32, "
+                           "--top-p 1, --old-logprobs trainer and no --is-correction")
     if cfg.eps_engine is not None:
         if not (math.isfinite(cfg.eps_engine) and cfg.eps_engine >= 0):
             raise BadInput(f"--eps-engine (Z, the noise's width in standard deviations) must be a finite "
                            f"number >= 0, got {cfg.eps_engine}")
         if cfg.loss != "gspo":
             raise BadInput(f"--eps-engine calibrates GSPO's band on s; not for --loss {cfg.loss}")
-        if not (cfg.record_noise or (cfg.old_logprobs == "sampler" and cfg.sampler_dtype != "float32")):
+        engine = cfg.old_logprobs == "sampler" and cfg.sampler_dtype != "float32"
+        if not (cfg.record_noise or cfg.record_bins or engine):
             raise BadInput("--eps-engine calibrates the band for an engine's record as pi_old: it needs "
                            "--old-logprobs sampler with a bf16 or fp16 sampler, or --record-noise")
     if cfg.scale_rewards not in ("group", "none"):

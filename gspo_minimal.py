@@ -462,8 +462,8 @@ def gspo_loss(logp_new, logp_old, advantages, mask, eps_low: float = 3e-4, eps_h
     """GSPO: one clipped term per sequence, mean over sequences. (B, T) log-probs, (B,) advantages.
 
     Its gradient is (eq. 10) s_i A_i (1/|y_i|) sum_t grad log pi(y_it) for an unclipped response:
-    every token of a response shares one weight. An empty row adds nothing (explicit `where`: the clipped term at s = 1 would
-    add A), but still counts in the 1/B, as the paper's 1/G does.
+    every token of a response shares one weight. An empty row adds nothing (explicit `where`: the
+    clipped term at s = 1 would add A), but still counts in the 1/B, as the paper's 1/G does.
     """
     s = importance_ratio(logp_new, logp_old, mask)                     # (B,)
     per_seq = clipped_surrogate(s, advantages, eps_low, eps_high)      # (B,)
@@ -1356,7 +1356,7 @@ def parse_config(argv: list[str] | None = None) -> Config:
 # The lab's flags (gspo_lab.py's Config; a test holds both lists equal): here each gets a line naming the lab's command.
 LAB_COMMAND = "python gspo_lab.py"
 LAB_FLAGS = ("task", "moe", "micro_batch", "gradient_checkpointing", "aggregation", "scale_rewards",
-             "off_policy_mask", "sampler_dtype", "top_p", "old_logprobs", "record_noise", "eps_engine",
+             "off_policy_mask", "sampler_dtype", "top_p", "old_logprobs", "record_noise", "record_bins", "eps_engine",
              "is_correction", "is_clip_max", "is_clip_min", "eval_at")
 
 

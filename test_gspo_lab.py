@@ -877,6 +877,59 @@ def test_a_synthetic_engine_changes_pi_old_and_nothing_the_rollout_draws(tmp_pat
     assert synth == again and w_synth == w_again                      # its own seeded stream: repeatable
 
 
+# --- the heteroscedastic synthetic engine (--record-bins) ------------------------------------------
+ZERO_BINS = "0.5:0:0,0.9:0:0,0.99:0:0,1:0:0"
+
+
+def test_a_binned_synthetic_engine_at_zero_is_the_zero_gap_engine_bit_for_bit(tmp_path):
+    """Every bin's mean and spread 0: the gap is exactly 0, so the run is the --record-noise 0,0 run
+    (itself the trainer's, engine gap aside: the test above), value for value and weight for weight."""
+    (_, _), (zero, w_zero) = synthetic_runs(tmp_path, "0,0")
+    folder = str(tmp_path / "bins")
+    assert g.main([*REPEAT, "--out", folder, "--record-bins", ZERO_BINS]) == 0
+    with open(os.path.join(folder, "metrics.jsonl")) as f:
+        bins = [without_timings(json.loads(line)) for line in f]
+    assert bins == zero and (tmp_path / "bins" / "checkpoint" / "model.safetensors").read_bytes() == w_zero
+
+
+def test_binned_gaps_reproduce_each_bins_mean_and_spread():
+    """Tokens drawn in every bin of the trainer's probability get the gap of their bin: the sample
+    mean and standard deviation within four standard errors of the bin's (M_b, S_b); the bins are
+    [lo, hi), the last closed at 1."""
+    bins = [(0.5, -3.4e-4, 0.0218), (0.9, 2.2e-4, 0.0098), (0.99, -4.5e-5, 7.1e-4), (1.0, 9.2e-6, 6.9e-5)]
+    spec = ",".join(f"{e}:{m}:{sd}" for e, m, sd in bins)
+    cfg = g.parse_config(["--record-bins", spec, "--out", "runs/never"])
+    n = 20000
+    probs = torch.tensor([0.2, 0.7, 0.95, 0.999, 1.0, 0.51, 0.91, 0.991])      # inside each bin; 1 in the last
+    which = [0, 1, 2, 3, 3, 1, 2, 3]
+    logp = probs.log().repeat(n, 1)                                              # (n, 8)
+    d = g.synthetic_gap(torch.ones(n, 8, dtype=torch.bool), cfg, logp)
+    for col, b in enumerate(which):
+        x, (_, mean, sd) = d[:, col].double(), bins[b]
+        assert abs(x.mean().item() - mean) < 4 * sd / n ** 0.5 + 1e-9, (col, x.mean().item(), mean)
+        assert abs(x.std().item() - sd) < 4 * sd / (2 * n) ** 0.5 + 1e-9, (col, x.std().item(), sd)
+    masked = g.synthetic_gap(torch.zeros(2, 8, dtype=torch.bool), g.parse_config(["--record-bins", spec, "--out", "x"]),
+                             logp[:2])
+    assert (masked == 0).all()                                                  # nothing after EOS
+
+
+def test_the_binned_engine_changes_pi_old_by_its_bins_and_nothing_the_rollout_draws(tmp_path):
+    """A wide gap on the unlikely tokens only: the first rollout is the plain run's, s in minibatch 1
+    moves off 1, and the run repeats exactly."""
+    runs = []
+    for name in ("plain", "bins", "again"):
+        folder = str(tmp_path / name)
+        extra = [] if name == "plain" else ["--record-bins", "0.9:-0.01:0.05,1:0:0"]
+        assert g.main([*REPEAT, "--out", folder, *extra]) == 0
+        with open(os.path.join(folder, "metrics.jsonl")) as f:
+            runs.append([without_timings(json.loads(line)) for line in f])
+    plain, bins, again = runs
+    first = lambda rows: next(r for r in rows if r["stage"] == "rl" and r["step"] == 1)
+    assert {k: first(bins)[k] for k in ("reward", "flat_groups", "response_tokens")} \
+        == {k: first(plain)[k] for k in ("reward", "flat_groups", "response_tokens")}
+    assert first(bins)["engine_log_s_mean"] != 0 and bins == again
+
+
 # --- the calibrated band (--eps-engine) -----------------------------------------------------------
 def test_a_calibrated_band_on_a_zero_gap_is_the_papers_band_bit_for_bit(tmp_path):
     """With the synthetic engine at K = SIGMA = 0 the estimates are 0 and the band is the paper's: the

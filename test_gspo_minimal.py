@@ -383,6 +383,13 @@ BAD_NUMBERS = {
     "calibrated band with the trainer's pi_old": ["--eps-engine", "2", "--sampler-dtype", "bfloat16"],
     "calibrated band for grpo": ["--eps-engine", "2", "--record-noise", "1e-3,0.05", "--loss", "grpo"],
     "calibrated band negative": ["--eps-engine", "-1", "--record-noise", "1e-3,0.05"],
+    "binned engine, two numbers a bin": ["--record-bins", "0.5:1e-3,1:0:0"],
+    "binned engine, not a number": ["--record-bins", "0.5:a:0.1,1:0:0"],
+    "binned engine, edges not ending at 1": ["--record-bins", "0.5:0:0.1,0.9:0:0"],
+    "binned engine, edges falling": ["--record-bins", "0.9:0:0.1,0.5:0:0,1:0:0"],
+    "binned engine, a negative spread": ["--record-bins", "0.5:0:-0.1,1:0:0"],
+    "binned engine beside the other": ["--record-bins", "1:0:0", "--record-noise", "1e-3,0.05"],
+    "binned engine on a bf16 sampler": ["--record-bins", "1:0:0", "--sampler-dtype", "bfloat16"],
 }
 
 

@@ -738,10 +738,15 @@ def assert_same(a, b, where: str = "result", clock=()) -> None:
     element, dicts key for key in the same order. A dict's `command` is not compared (see above),
     nor the keys named in `clock`: readings of the wall clock, which no two calls share."""
     if dataclasses.is_dataclass(a) and dataclasses.is_dataclass(b):    # a Config: the pre-move script's or the lab's,
-        a, b = (dict(sorted(dataclasses.asdict(x).items())) for x in (a, b))   # the same fields in another order
+        defaults = dataclasses.asdict(type(b)())                          # its fields in another order, and the
+        a, b = (dict(sorted(dataclasses.asdict(x).items())) for x in (a, b))   # lab's flags added since, at
+        assert all(b[k] == defaults[k] for k in set(b) - set(a)), where   # their defaults (off)
+        b = {k: v for k, v in b.items() if k in a}
     assert type(a) is type(b), f"{where}: {type(a).__name__} != {type(b).__name__}"
-    if isinstance(a, dict) and where.endswith("['config']"):    # the lab's Config lists the script's fields first
-        a, b = dict(sorted(a.items())), dict(sorted(b.items()))
+    if isinstance(a, dict) and where.endswith("['config']"):    # the lab's Config lists the script's fields first,
+        defaults = dataclasses.asdict(g.Config())                # and its flags added since are at their defaults
+        assert all(b[k] == defaults[k] for k in set(b) - set(a)), where
+        a, b = dict(sorted(a.items())), dict(sorted((k, v) for k, v in b.items() if k in a))
     if isinstance(a, dict):
         ka = [k for k in a if k != "command" and k not in clock]
         kb = [k for k in b if k != "command" and k not in clock]
@@ -2916,6 +2921,32 @@ def test_the_committed_readings_come_again_from_the_remedys_and_the_mechanisms_r
     leaning = again["mechanism_cells_one_sign_on_every_seed"]
     assert sorted(c for c, v in leaning.items() if v["sign"] < 0 and not v["called"]) == [
         "real_fp16", "synth_bias", "synth_both", "synth_both_large"]
+
+
+def test_the_binned_record_copies_a_real_records_bins_and_is_compared_by_length():
+    """bins_comparison on a fake record whose gap depends on the token's probability (wide below 1/2,
+    narrow above 0.99): the fitted flag copies each bin's measured mean and spread, the drawn gaps
+    reproduce them, and the comparison by length has the calibration's keys. The committed calibration's
+    pooled bins make a flag the lab accepts."""
+    gen = torch.Generator().manual_seed(0)
+    n, T = 4000, 6
+    logp = torch.rand(n, T, generator=gen).log().double()                       # probabilities in (0, 1)
+    p = logp.exp()
+    spread = torch.where(p < 0.5, 0.02, torch.where(p < 0.99, 0.005, 1e-4)).double()
+    d = torch.randn(n, T, generator=gen, dtype=torch.float64) * spread - 1e-4
+    lengths = torch.randint(1, T + 1, (n,), generator=gen)
+    mask = torch.arange(T)[None, :] < lengths[:, None]
+    out = mechanism.bins_comparison(d, logp, mask)
+    for real, drawn in zip(out["bins_real"], out["bins_synthetic"]):
+        assert real["tokens"] == drawn["tokens"] > 100
+        assert abs(drawn["std_d"] - real["std_d"]) < 0.1 * real["std_d"]
+        assert abs(drawn["mean_d"] - real["mean_d"]) < 4 * real["std_d"] / drawn["tokens"] ** 0.5
+    assert [row["length"] for row in out["by_length"]] == list(range(1, T + 1))
+    assert {"ks_distance", "ks_critical_05"} <= set(out["pooled"]) and "real_std" in out["by_length"][-1]
+    cal = common.read_json(os.path.join(HERE, "figures", "mechanism_calibration.json"))
+    flag = mechanism.record_bins_flag(cal["add2"]["what_the_model_misses"]["by_trainer_probability"])
+    cfg = g.parse_config(["--record-bins", flag, "--out", "runs/never"])
+    assert [b[0] for b in g.record_bins_values(cfg)] == [0.5, 0.9, 0.99, 1.0]
 
 
 # --- make mechanism-smollm2: the lens's prediction and the scoring (studies/smollm2_step.py) ---------

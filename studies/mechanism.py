@@ -173,6 +173,30 @@ def compare_by_length(real: dict[int, list[float]], synth: dict[int, list[float]
     return rows
 
 
+def record_bins_flag(rows: list[dict]) -> str:
+    """--record-bins' value from a real record's gaps by bin of the trainer's probability (`by_probability`
+    rows: [lo, hi), mean_d, std_d), copied as measured: "hi:mean:std,..." (an empty bin gets a zero gap)."""
+    return ",".join(f"{r['probability'][1]!r}:{r['mean_d'] or 0.0!r}:{r['std_d'] or 0.0!r}" for r in rows)
+
+
+def bins_comparison(d: torch.Tensor, logp: torch.Tensor, mask: torch.Tensor, seed: int = 0) -> dict:
+    """The heteroscedastic synthetic record (--record-bins) fitted on a real record's gaps d (pooled over
+    its responses), drawn on the same tokens (their trainer log-probs `logp`), against the real one as
+    the calibration compares the homoscedastic record: log s by length (quantiles, KS distance, standard
+    deviations beside the lens's) and pooled; and the bins' own means and spreads, real against drawn."""
+    rows = by_probability(d, logp, mask)
+    cfg = g.Config(record_bins=record_bins_flag(rows), seed=seed)
+    synth = g.synthetic_gap(mask, cfg, logp).double()
+    real_by_n, synth_by_n = log_s_by_length(d, mask), log_s_by_length(synth, mask)
+    all_real = [v for vs in real_by_n.values() for v in vs]
+    all_synth = [v for vs in synth_by_n.values() for v in vs]
+    return {"flag": cfg.record_bins, "fitted_on": "the real record's tokens, pooled over every response",
+            "bins_real": rows, "bins_synthetic": by_probability(synth, logp, mask),
+            "by_length": compare_by_length(real_by_n, synth_by_n, d[mask].std().item()),
+            "pooled": {"ks_distance": ks_distance(all_real, all_synth),
+                       "ks_critical_05": ks_critical(len(all_real), len(all_synth))}}
+
+
 def add2_calibration(seeds=CAL_SEEDS) -> dict:
     """The real record's K-hat and SIGMA-hat pooled over the seeds' rollouts, the synthetic engine at
     those values on the same masks, and what the model misses."""
