@@ -53,16 +53,17 @@ from gspo_minimal import (Add2, BadInput, Diverged, GracefulStop, Run, flag_of, 
 # ---------------------------------------------------------------------------------------------
 @dataclass
 class Config(g.Config):
-    """the lab's own flags (gspo_lab.py only)"""
+    """the lab's own flags (gspo_lab.py only)
+    In the lab --loss also takes GSPO's relatives, gmpo, sapo, sapo-seq, cispo, luspo and vespo
+    (tutorial section 10), with their own --eps-low and --eps-high (GMPO's in log space, default 0.4;
+    CISPO's --eps-high caps each token's weight, 5.0; SAPO and VESPO have none), and --model also
+    takes a .gguf file (dequantised to float32; needs the gguf package)."""
     task: str = "add2"
     """problems: add2 (a+b, a,b < 100), add3 (a+b, a,b < 1000), mul2 (a*b, a,b < 100), addwork (a+b
     with 2 to 6 digits each, answered with its column working and then the sum: long answers; its
     own defaults for --max-new-tokens, --steps and the warm-up, see TASK_DEFAULTS), or add2-chat
     (add2's problems asked as 'a + b = ?' of a chat model, needs --model; reward on the last number).
-    Exclusive with --data. --loss also takes GSPO's relatives here: gmpo, sapo, sapo-seq, cispo,
-    luspo, vespo (tutorial section 10), with their own --eps-low/--eps-high (GMPO's in log space,
-    default 0.4; CISPO's --eps-high is the cap on each token's weight, 5.0; SAPO and VESPO have none);
-    --model also takes a .gguf file (dequantised to float32; needs the gguf package)"""
+    Exclusive with --data"""
     moe: bool = False
     """use a tiny mixture-of-experts model (transformers' Mixtral classes) instead of the dense one"""
     micro_batch: int | None = None

@@ -1326,14 +1326,15 @@ def field_help(cls) -> dict[str, str]:
 def build_parser(cls) -> argparse.ArgumentParser:
     """One flag per dataclass field, typed from its annotation: bool is a switch, `X | None` an X (None: not given)."""
     helps, hints = field_help(cls), typing.get_type_hints(cls)
-    parser = _Parser(description="GSPO in one file: Group Sequence Policy Optimization, annotated.",
+    parser = _Parser(description=(sys.modules[cls.__module__].__doc__ or " ").strip().splitlines()[0],
                      epilog="Every bad input gets one line on stderr and exit code 2, before any "
                             "model is built.",
                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     groups = {}                     # each class's own fields under its docstring: which flags are whose
     for klass in reversed(cls.__mro__):
         if dataclasses.is_dataclass(klass):
-            groups[klass] = parser.add_argument_group(klass.__doc__.strip().splitlines()[0])
+            title, _, more = klass.__doc__.strip().partition("\n")
+            groups[klass] = parser.add_argument_group(title, " ".join(more.split()) or None)
     for f in dataclasses.fields(cls):
         owner = next(k for k in groups if f.name in k.__annotations__)
         flag, kind = "--" + f.name.replace("_", "-"), hints[f.name]
