@@ -32,7 +32,6 @@ gspo_minimal never imports the lab (tests hold both).
 from __future__ import annotations
 
 import copy
-import dataclasses
 import math
 import os
 import random
@@ -44,8 +43,7 @@ import torch
 
 import gspo_minimal as g
 from gspo_minimal import *  # noqa: F401,F403  every name of the algorithm is the lab's too
-from gspo_minimal import (Add2, BadInput, Diverged, GracefulStop, Run, flag_of,  # noqa: F401
-                          masked_mean, read_data)
+from gspo_minimal import Add2, BadInput, Diverged, GracefulStop, Run, masked_mean, read_data  # noqa: F401
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1231,16 +1229,7 @@ def validate(cfg: Config) -> None:
         raise BadInput(f"unknown --reward {cfg.reward!r}; choose one of {', '.join(g.REWARDS)}")
     if cfg.device not in ("auto", "cpu", "cuda"):
         raise BadInput(f"unknown --device {cfg.device!r}; choose auto, cpu or cuda")
-    for f in dataclasses.fields(cfg):        # every number finite: argparse's float() takes nan and inf
-        value = getattr(cfg, f.name)
-        if isinstance(value, float) and not math.isfinite(value):
-            raise BadInput(f"{flag_of(f.name)} must be a finite number, got {value}"
-                           f"{OFF_SPELLING.get(f.name, '')}")
-    for name, (low, high, why) in FLAG_RANGES.items():
-        value = getattr(cfg, name)
-        if value is not None and not ((low is None or value >= low) and (high is None or value <= high)):
-            where = f"at least {low}" if high is None else f"between {low} and {high}"
-            raise BadInput(f"{flag_of(name)} must be {where} ({why}), got {value}")
+    g.check_numbers(cfg, FLAG_RANGES, OFF_SPELLING)
     for name, default, eps in zip(("--eps-low", "--eps-high"), DEFAULT_EPS[cfg.loss], resolved_eps(cfg)):
         if default is None and eps is not None:
             raise BadInput(f"--loss {cfg.loss} has no {name} (tutorial section 10)")

@@ -1427,16 +1427,7 @@ def validate(cfg: Config) -> None:
         raise BadInput(f"unknown --reward {cfg.reward!r}; choose one of {', '.join(REWARDS)}")
     if cfg.device not in ("auto", "cpu", "cuda"):
         raise BadInput(f"unknown --device {cfg.device!r}; choose auto, cpu or cuda")
-    for f in dataclasses.fields(cfg):        # every number finite: argparse's float() takes nan and inf
-        value = getattr(cfg, f.name)
-        if isinstance(value, float) and not math.isfinite(value):
-            raise BadInput(f"{flag_of(f.name)} must be a finite number, got {value}"
-                           f"{OFF_SPELLING.get(f.name, '')}")
-    for name, (low, high, why) in FLAG_RANGES.items():
-        value = getattr(cfg, name)
-        if value is not None and not ((low is None or value >= low) and (high is None or value <= high)):
-            where = f"at least {low}" if high is None else f"between {low} and {high}"
-            raise BadInput(f"{flag_of(name)} must be {where} ({why}), got {value}")
+    check_numbers(cfg, FLAG_RANGES, OFF_SPELLING)
     for name, eps in zip(("--eps-low", "--eps-high"), resolved_eps(cfg)):
         if not 0 < eps < 1:
             raise BadInput(f"{name} must lie in (0, 1), got {eps}")
@@ -1448,6 +1439,19 @@ def validate(cfg: Config) -> None:
         raise BadInput(f"--model {cfg.model}: a .gguf file is the lab's to load ({LAB_COMMAND} --model "
                        f"{cfg.model} ...)")
     check_device_out_and_model(cfg)
+
+
+def check_numbers(cfg: Config, ranges: dict, off_spelling: dict) -> None:
+    """Every float finite (argparse's float() takes nan and inf) and every ranged flag in its range."""
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if isinstance(value, float) and not math.isfinite(value):
+            raise BadInput(f"{flag_of(f.name)} must be a finite number, got {value}{off_spelling.get(f.name, '')}")
+    for name, (low, high, why) in ranges.items():
+        value = getattr(cfg, name)
+        if value is not None and not ((low is None or value >= low) and (high is None or value <= high)):
+            where = f"at least {low}" if high is None else f"between {low} and {high}"
+            raise BadInput(f"{flag_of(name)} must be {where} ({why}), got {value}")
 
 
 def check_rates_and_sizes(cfg: Config, task) -> None:
