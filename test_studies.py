@@ -474,7 +474,8 @@ def test_an_interrupted_run_is_not_a_finished_one(tmp_path):
 
 # --- the studies as scripts: one file per study, each run as `python studies/NAME.py` ----------------
 STUDIES = ("common", "verify", "metrics", "figures", "family", "long", "pretrained", "gpu_check", "speed",
-           "trl_compare", "lens", "map", "two_process", "pretrained_seeds", "data_example", "mechanism", "smollm2_step")
+           "trl_compare", "lens", "map", "two_process", "pretrained_seeds", "data_example", "mechanism", "smollm2_step",
+           "power")
 ROOT_ON_PATH = "sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))"
 
 
@@ -2947,6 +2948,41 @@ def test_the_binned_record_copies_a_real_records_bins_and_is_compared_by_length(
     flag = mechanism.record_bins_flag(cal["add2"]["what_the_model_misses"]["by_trainer_probability"])
     cfg = g.parse_config(["--record-bins", flag, "--out", "runs/never"])
     assert [b[0] for b in g.record_bins_values(cfg)] == [0.5, 0.9, 0.99, 1.0]
+
+
+# --- the paired study at 30 seeds: its analysis, before its runs (studies/power.py) ----------------
+def test_the_sign_flip_test_is_exact_for_few_seeds_and_holm_steps_down():
+    from studies import power
+    assert power.sign_flip_p([0.1, 0.2, 0.05, 0.3, 0.1]) == 2 / 32          # all positive: only +-all reach it
+    assert power.sign_flip_p([0.1, -0.1, 0.1, -0.1]) == 1.0                 # a zero sum: every pattern reaches it
+    assert power.holm({"a": 0.01, "b": 0.04, "c": 0.03}) == {"a": True, "c": False, "b": False}
+    assert power.holm({"a": 0.01, "b": 0.04}) == {"a": True, "b": True}     # 0.01 <= 0.025, 0.04 <= 0.05
+    assert abs(power.normal_quantile(0.975) - 1.959964) < 1e-5
+    assert power.detectable_effect(0.14, 30) == pytest.approx((1.959964 + 0.841621) * 0.14 / 30 ** 0.5, rel=1e-5)
+    assert power.score_run({"accuracy_after_rl": None}) == (0.0, True) and power.score_run({"accuracy_after_rl": 0.5}) == (0.5, False)
+    with pytest.raises(ValueError, match="seed by seed"):
+        power.interaction([0.1, 0.2], [0.1])
+    lo, hi = power.bootstrap_mean_interval([0.1, 0.3, 0.2, 0.25, 0.15])
+    assert lo < 0.2 < hi
+
+
+def test_the_analysis_finds_a_known_difference_and_not_a_null_at_the_stated_rates():
+    """Simulated paired differences at 30 seeds, spread 0.14 (the committed cells' order): with no
+    difference the test calls at about its 5%; with a mean of 0.09, above the 0.072 it can detect at
+    80% power, it calls at least that often; the bootstrap interval covers the true mean about 95%."""
+    import numpy as np
+    from studies import power
+    rng = np.random.default_rng(0)
+    null = [power.sign_flip_p(list(rng.normal(0.0, 0.14, 30)), flips=2000) <= 0.05 for _ in range(300)]
+    effect = [power.sign_flip_p(list(rng.normal(0.09, 0.14, 30)), flips=2000) <= 0.05 for _ in range(300)]
+    assert np.mean(null) <= 0.08 and np.mean(effect) >= 0.8, (np.mean(null), np.mean(effect))
+    covered = [lo <= 0.09 <= hi for lo, hi in (power.bootstrap_mean_interval(list(rng.normal(0.09, 0.14, 30)), 2000)
+                                               for _ in range(200))]
+    assert 0.88 <= np.mean(covered) <= 0.99
+    out = power.analyse({"c - a16": list(rng.normal(0.12, 0.14, 30)), "e - a32": list(rng.normal(0.0, 0.14, 30))},
+                        {"a16 - b16": list(rng.normal(0.0, 0.14, 30))}, flips=2000)
+    assert out["c - a16"]["called"] and not out["e - a32"]["called"] and out["a16 - b16"]["called"] is None
+    assert out["c - a16"]["positive"] + out["c - a16"]["negative"] == 30
 
 
 # --- make mechanism-smollm2: the lens's prediction and the scoring (studies/smollm2_step.py) ---------

@@ -2,12 +2,12 @@
 
     python studies/lens.py          # figures/relatives_weight.png, in seconds, no runs needed
 
-Every objective in gspo_minimal.py moves log pi(y_t) in the direction A * grad log pi(y_t), times a
+Every objective in gspo_minimal.py and the lab moves log pi(y_t) in the direction A * grad log pi(y_t), times a
 weight that depends on how far the policy has moved: on the token's own log-ratio
 delta_t = log pi_new(y_t) - log pi_old(y_t) (GRPO, GMPO, SAPO, CISPO), or on the response's
 log s = H_old - H_new, the drop in per-token cross-entropy (GSPO, SAPO at sequence level, VESPO,
 whose weight is a function of the unnormalised log W = |y| log s). This file draws that weight,
-for A > 0 and A < 0, as the functions in gspo_minimal.py compute it: by autograd, on a response
+for A > 0 and A < 0, as the functions of gspo_minimal.py and the lab compute it: by autograd, on a response
 whose tokens all have the same log-ratio, divided by the plain on-policy policy gradient's
 A / |y|, so that every curve is 1 where the policy has not moved.
 
