@@ -2950,6 +2950,24 @@ def test_the_binned_record_copies_a_real_records_bins_and_is_compared_by_length(
     assert [b[0] for b in g.record_bins_values(cfg)] == [0.5, 0.9, 0.99, 1.0]
 
 
+def test_the_committed_binned_record_was_fitted_on_the_record_it_is_compared_with():
+    """figures/mechanism_bins.json: the flag is the measured bins, copied; the drawn bins match them; the
+    real record it was drawn against is the calibration's (the same warm-ups, rollouts and tokens)."""
+    path = os.path.join(HERE, "figures", "mechanism_bins.json")
+    if not os.path.exists(path):
+        pytest.skip("figures/mechanism_bins.json not made yet")
+    record, cal = common.read_json(path), common.read_json(os.path.join(HERE, "figures", "mechanism_calibration.json"))
+    het = record["heteroscedastic"]
+    assert het["flag"] == mechanism.record_bins_flag(het["bins_real"])
+    assert [b["tokens"] for b in het["bins_real"]] == [b["tokens"] for b in het["bins_synthetic"]]
+    assert record["tokens"] == cal["add2"]["tokens"] and record["k_hat"] == pytest.approx(cal["add2"]["k_hat"], rel=1e-6)
+    for mine, theirs in zip(het["bins_real"], cal["add2"]["what_the_model_misses"]["by_trainer_probability"]):
+        assert mine["tokens"] == theirs["tokens"] and mine["std_d"] == pytest.approx(theirs["std_d"], rel=1e-6)
+    for real, drawn in zip(het["bins_real"], het["bins_synthetic"]):
+        assert abs(drawn["std_d"] - real["std_d"]) < 0.1 * real["std_d"]
+    assert 0 <= het["pooled"]["ks_distance"] <= 1 and 0 <= record["homoscedastic"]["pooled"]["ks_distance"] <= 1
+
+
 # --- the paired study at 30 seeds: its analysis, before its runs (studies/power.py) ----------------
 def test_the_sign_flip_test_is_exact_for_few_seeds_and_holm_steps_down():
     from studies import power

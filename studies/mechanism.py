@@ -11,6 +11,9 @@
                                                 # projection into figures/mechanism_remedy.json
     python studies/mechanism.py remedy       # make figures-remedy: the remedy's runs (resumable), then
                                              # their verdicts against mechanism.json's references
+    python studies/mechanism.py bins         # the heteroscedastic record (--record-bins) against the real
+                                             # bf16 record on add2, as the calibration compares the other:
+                                             # figures/mechanism_bins.json (a few minutes, no training)
     python studies/mechanism.py readings     # comparisons the rule did not decide, read from the two
                                              # committed JSONs' runs (no training, seconds):
                                              # figures/mechanism_readings.json
@@ -71,8 +74,9 @@ from studies.common import (Ledger, Parser, cli, common_sign, fail, kept_design,
                             write_result)
 
 OUTPUTS = ("figures/mechanism_calibration.json", "figures/mechanism.json", "figures/mechanism_remedy.json",
-           "figures/mechanism_readings.json")
+           "figures/mechanism_readings.json", "figures/mechanism_bins.json")
 READINGS_JSON = "figures/mechanism_readings.json"
+BINS_JSON = "figures/mechanism_bins.json"
 CAL_JSON = "figures/mechanism_calibration.json"
 CAL_RUNS = "runs/mechanism"
 CAL_SEEDS = (0, 1, 2)
@@ -195,6 +199,31 @@ def bins_comparison(d: torch.Tensor, logp: torch.Tensor, mask: torch.Tensor, see
             "by_length": compare_by_length(real_by_n, synth_by_n, d[mask].std().item()),
             "pooled": {"ks_distance": ks_distance(all_real, all_synth),
                        "ks_critical_05": ks_critical(len(all_real), len(all_synth))}}
+
+
+def bins_record(seeds=CAL_SEEDS) -> dict:
+    """The heteroscedastic record against the real bf16 record on the calibration's tokens (make
+    figures-map's dense warm-ups of `seeds`, made where missing; CAL_ROLLOUTS rollouts each by the
+    bf16 copy), its bins fitted pooled over every token (`bins_comparison`); beside it the
+    homoscedastic record at the same tokens' K-hat and SIGMA-hat, drawn from the same stream."""
+    from studies import map as regimes
+    t0 = time.perf_counter()
+    run_jobs([regimes.warmup_job("dense", s) for s in seeds], CAL_RUNS)       # made where missing
+    parts = [real_gaps(s) for s in seeds]
+    d, mask, logp = (torch.cat([p[k] for p in parts]) for k in ("d", "mask", "logp"))
+    out = bins_comparison(d, logp, mask)
+    x = d[mask]
+    k_hat, sigma_hat = -x.mean().item(), x.std().item()
+    homo = g.synthetic_gap(mask, g.Config(record_noise=f"{k_hat!r},{sigma_hat!r}", seed=0)).double()
+    real_by_n, homo_by_n = log_s_by_length(d, mask), log_s_by_length(homo, mask)
+    all_real = [v for vs in real_by_n.values() for v in vs]
+    all_homo = [v for vs in homo_by_n.values() for v in vs]
+    return {"seeds": list(seeds), "rollouts_per_seed": CAL_ROLLOUTS, "responses": int(mask.any(1).sum()),
+            "tokens": len(x), "k_hat": k_hat, "sigma_hat": sigma_hat, "heteroscedastic": out,
+            "homoscedastic": {"by_length": compare_by_length(real_by_n, homo_by_n, sigma_hat),
+                              "pooled": {"ks_distance": ks_distance(all_real, all_homo),
+                                         "ks_critical_05": ks_critical(len(all_real), len(all_homo))}},
+            "seconds_total": time.perf_counter() - t0}
 
 
 def add2_calibration(seeds=CAL_SEEDS) -> dict:
@@ -739,8 +768,17 @@ def print_verdicts(cells: dict, path: str) -> None:
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = Parser(description=__doc__.splitlines()[0])
-    parser.add_argument("what", choices=["calibrate", "design", "figures", "remedy-design", "remedy", "readings"])
+    parser.add_argument("what", choices=["calibrate", "design", "figures", "remedy-design", "remedy", "readings", "bins"])
     what = parser.parse_args(argv).what
+    if what == "bins":
+        res = bins_record()
+        write_json(BINS_JSON, res, "python studies/mechanism.py bins", res.pop("seconds_total"))
+        het, homo = res["heteroscedastic"]["pooled"], res["homoscedastic"]["pooled"]
+        print(f"add2, bf16 record, {res['tokens']} tokens: pooled KS distance of log s against the real record: "
+              f"binned {het['ks_distance']:.3f}, one sigma {homo['ks_distance']:.3f} (5% critical "
+              f"{het['ks_critical_05']:.3f})")
+        print(BINS_JSON)
+        return 0
     if what == "readings":
         t0 = time.perf_counter()
         res = remedy_readings(read_json(REM_JSON), read_json(MECH_JSON))
