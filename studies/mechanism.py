@@ -169,12 +169,38 @@ def compare_by_length(real: dict[int, list[float]], synth: dict[int, list[float]
         a, b = real[n], synth[n]
         row = {"length": n, "responses": len(a)}
         if len(a) >= 20:               # fewer: no quantile or KS distance worth reading
-            row.update(real=quantiles_of(a), synthetic=quantiles_of(b), ks_distance=ks_distance(a, b),
-                       ks_critical_05=ks_critical(len(a), len(b)),
+            row.update(real=quantiles_of(a), synthetic=quantiles_of(b), **ks_of(a, b),
                        real_std=statistics.stdev(a), synthetic_std=statistics.stdev(b),
                        lens_std=sigma / math.sqrt(n))
         rows.append(row)
     return rows
+
+
+def ks_of(a: list[float], b: list[float]) -> dict:
+    """Two samples' KS distance beside its 5% critical value."""
+    return {"ks_distance": ks_distance(a, b), "ks_critical_05": ks_critical(len(a), len(b))}
+
+
+def against_real(d: torch.Tensor, synth: torch.Tensor, mask: torch.Tensor, sigma: float) -> tuple[list[dict], list, list]:
+    """A synthetic record's gaps against the real record's d on the same responses: `compare_by_length`'s
+    rows at the lens's sigma, then each record's log s pooled over every length (real, synthetic)."""
+    real_by_n, synth_by_n = log_s_by_length(d, mask), log_s_by_length(synth, mask)
+    return (compare_by_length(real_by_n, synth_by_n, sigma),
+            [v for vs in real_by_n.values() for v in vs], [v for vs in synth_by_n.values() for v in vs])
+
+
+def real_record(seeds) -> tuple[list[dict], torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The real bf16 record of each seed's rollouts (`real_gaps`), and its d, mask and logp joined."""
+    parts = [real_gaps(s) for s in seeds]
+    return (parts, *(torch.cat([p[k] for p in parts]) for k in ("d", "mask", "logp")))
+
+
+def homoscedastic_record(d: torch.Tensor, mask: torch.Tensor) -> tuple[float, float, torch.Tensor]:
+    """K-hat and SIGMA-hat of a real record's kept gaps, and the synthetic record at them (seed 0)."""
+    x = d[mask]
+    k_hat, sigma_hat = -x.mean().item(), x.std().item()
+    cfg = g.Config(record_noise=f"{k_hat!r},{sigma_hat!r}", seed=0)
+    return k_hat, sigma_hat, g.synthetic_gap(mask, cfg).double()
 
 
 def record_bins_flag(rows: list[dict]) -> str:
@@ -191,14 +217,10 @@ def bins_comparison(d: torch.Tensor, logp: torch.Tensor, mask: torch.Tensor, see
     rows = by_probability(d, logp, mask)
     cfg = g.Config(record_bins=record_bins_flag(rows), seed=seed)
     synth = g.synthetic_gap(mask, cfg, logp).double()
-    real_by_n, synth_by_n = log_s_by_length(d, mask), log_s_by_length(synth, mask)
-    all_real = [v for vs in real_by_n.values() for v in vs]
-    all_synth = [v for vs in synth_by_n.values() for v in vs]
+    by_length, all_real, all_synth = against_real(d, synth, mask, d[mask].std().item())
     return {"flag": cfg.record_bins, "fitted_on": "the real record's tokens, pooled over every response",
             "bins_real": rows, "bins_synthetic": by_probability(synth, logp, mask),
-            "by_length": compare_by_length(real_by_n, synth_by_n, d[mask].std().item()),
-            "pooled": {"ks_distance": ks_distance(all_real, all_synth),
-                       "ks_critical_05": ks_critical(len(all_real), len(all_synth))}}
+            "by_length": by_length, "pooled": ks_of(all_real, all_synth)}
 
 
 def bins_record(seeds=CAL_SEEDS) -> dict:
@@ -209,39 +231,24 @@ def bins_record(seeds=CAL_SEEDS) -> dict:
     from studies import map as regimes
     t0 = time.perf_counter()
     run_jobs([regimes.warmup_job("dense", s) for s in seeds], CAL_RUNS)       # made where missing
-    parts = [real_gaps(s) for s in seeds]
-    d, mask, logp = (torch.cat([p[k] for p in parts]) for k in ("d", "mask", "logp"))
+    _, d, mask, logp = real_record(seeds)
     out = bins_comparison(d, logp, mask)
-    x = d[mask]
-    k_hat, sigma_hat = -x.mean().item(), x.std().item()
-    homo = g.synthetic_gap(mask, g.Config(record_noise=f"{k_hat!r},{sigma_hat!r}", seed=0)).double()
-    real_by_n, homo_by_n = log_s_by_length(d, mask), log_s_by_length(homo, mask)
-    all_real = [v for vs in real_by_n.values() for v in vs]
-    all_homo = [v for vs in homo_by_n.values() for v in vs]
+    k_hat, sigma_hat, homo = homoscedastic_record(d, mask)
+    by_length, all_real, all_homo = against_real(d, homo, mask, sigma_hat)
     return {"seeds": list(seeds), "rollouts_per_seed": CAL_ROLLOUTS, "responses": int(mask.any(1).sum()),
-            "tokens": len(x), "k_hat": k_hat, "sigma_hat": sigma_hat, "heteroscedastic": out,
-            "homoscedastic": {"by_length": compare_by_length(real_by_n, homo_by_n, sigma_hat),
-                              "pooled": {"ks_distance": ks_distance(all_real, all_homo),
-                                         "ks_critical_05": ks_critical(len(all_real), len(all_homo))}},
+            "tokens": int(mask.sum()), "k_hat": k_hat, "sigma_hat": sigma_hat, "heteroscedastic": out,
+            "homoscedastic": {"by_length": by_length, "pooled": ks_of(all_real, all_homo)},
             "seconds_total": time.perf_counter() - t0}
 
 
 def add2_calibration(seeds=CAL_SEEDS) -> dict:
     """The real record's K-hat and SIGMA-hat pooled over the seeds' rollouts, the synthetic engine at
     those values on the same masks, and what the model misses."""
-    parts = [real_gaps(s) for s in seeds]
-    d = torch.cat([p["d"] for p in parts])
-    mask = torch.cat([p["mask"] for p in parts])
-    logp = torch.cat([p["logp"] for p in parts])
+    parts, d, mask, logp = real_record(seeds)
     x = d[mask]
     N = len(x)
-    k_hat, sigma_hat = -x.mean().item(), x.std().item()
-    cfg = g.Config(record_noise=f"{k_hat!r},{sigma_hat!r}", seed=0)
-    synth = g.synthetic_gap(mask, cfg).double()
-    real_by_n, synth_by_n = log_s_by_length(d, mask), log_s_by_length(synth, mask)
-    rows = compare_by_length(real_by_n, synth_by_n, sigma_hat)
-    all_real = [v for vs in real_by_n.values() for v in vs]
-    all_synth = [v for vs in synth_by_n.values() for v in vs]
+    k_hat, sigma_hat, synth = homoscedastic_record(d, mask)
+    rows, all_real, all_synth = against_real(d, synth, mask, sigma_hat)
     fourth = ((x - x.mean()) ** 4).mean().item()
     return {"seeds": list(seeds), "rollouts_per_seed": CAL_ROLLOUTS, "responses": int(mask.any(1).sum()),
             "tokens": N, "k_hat": k_hat, "sigma_hat": sigma_hat,
@@ -253,9 +260,7 @@ def add2_calibration(seeds=CAL_SEEDS) -> dict:
                 "note": "the exact KL(bf16 || trainer) over the vocabulary, per token, the mean of engine_kl_tokens "
                         "over the rollouts (each over its first minibatch's worth of rows): the K the lens means"},
             "by_length": rows,
-            "pooled": {"real": quantiles_of(all_real), "synthetic": quantiles_of(all_synth),
-                       "ks_distance": ks_distance(all_real, all_synth),
-                       "ks_critical_05": ks_critical(len(all_real), len(all_synth))},
+            "pooled": {"real": quantiles_of(all_real), "synthetic": quantiles_of(all_synth), **ks_of(all_real, all_synth)},
             "what_the_model_misses": {
                 "autocorrelation": lag1_autocorrelation(d, mask),
                 "by_trainer_probability": by_probability(d, logp, mask),
