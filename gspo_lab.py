@@ -12,8 +12,8 @@ It takes every flag of gspo_minimal.py plus its own (`--help` lists them in two 
     --scale-rewards none (Dr. GRPO) and DeepSeek-V3.2's off-policy sequence mask;
   * the sampler: --sampler-dtype (a bf16 or fp16 copy samples, as an inference engine would),
     --top-p, and --old-logprobs sampler (its record as pi_old), with the engine metrics;
-  * mismatch corrections (--is-correction and its bounds), the synthetic record (--record-noise) and
-    the calibrated band (--eps-engine);
+  * mismatch corrections (--is-correction and its bounds), the synthetic record (--record-noise,
+    --record-bins), the calibrated band (--eps-engine) and FSPO's band (--fspo-band);
   * memory: --micro-batch (automatic above 20M parameters) and --gradient-checkpointing;
   * the tasks beyond add2 (add3, mul2, addwork, add2-chat), the tiny MoE (--moe), GGUF files, --eval-at.
 
@@ -107,6 +107,10 @@ class Config(g.Config):
     eps_engine: float | None = None
     """calibrated band, Z: GSPO's band on log s moved by the record's bias -K and widened by Z SIGMA /
     sqrt(|y|), K and SIGMA estimated from minibatch 1's gaps of the earlier steps (`calibrated_band`)"""
+    fspo_band: str = ""
+    """FSPO's band (arXiv 2509.09177), "C" or "C_LOW,C_HIGH": GSPO's band replaced by one on the
+    sequence log-ratio S = |y| log s that scales as sqrt(|y|), S in [-C_LOW sqrt(|y|), C_HIGH
+    sqrt(|y|)], i.e. log s in [-C_LOW, C_HIGH] / sqrt(|y|) (gspo only; no default: `fspo_band`)"""
     is_correction: str = "none"
     """correct the sampler-trainer mismatch with a detached weight on each token's loss term, the
     trainer's pi_old against the sampler's record (TRL 1.16's vllm_importance_sampling_mode of the
@@ -916,6 +920,7 @@ def rl_update(model, opt, batch: dict, cfg: Config, eps_low: float, eps_high: fl
     record = batch.get("sampler_logprobs")   # (B, T); None in a batch not made by `rollout`
     shift = batch.get("record_gap")           # (B, T): the synthetic engine's d_t (--record-noise), or None
     eps_low, eps_high = calibrated_band(batch["mask"], cfg, eps_low, eps_high)   # (B,) each with --eps-engine
+    eps_low, eps_high = fspo_band(batch["mask"], cfg, eps_low, eps_high)         # (B,) each with --fspo-band
     band = lambda rows: [e[rows] if torch.is_tensor(e) else e for e in (eps_low, eps_high)]
     if from_sampler and record is None:
         raise ValueError("--old-logprobs sampler needs the rollout's sampler_logprobs")
@@ -1185,6 +1190,45 @@ def record_engine_gap(cfg: Config, logp_trainer, logp_record, mask, eps_low, eps
     return out
 
 
+# --- FSPO's band (--fspo-band C): a band on the sequence log-ratio that scales as sqrt(|y|) ----------
+# FSPO (Mao, Xiao, Pang and Liu, "Clip Your Sequences Fairly", arXiv 2509.09177) clips the sequence
+# log importance ratio S = sum_t log(pi_theta(y_t) / pi_old(y_t)) = |y| log s within a band that scales
+# as sqrt(|y|). As the lab reads it (centred on 0, widths C_LOW below and C_HIGH above):
+#   S in [-C_LOW sqrt(|y|), C_HIGH sqrt(|y|)]   <=>   log s in [-C_LOW / sqrt(|y|), C_HIGH / sqrt(|y|)],
+# the same responses clipped, so it is GSPO's clip(s, 1 - eps_low, 1 + eps_high) with per-response
+#   eps_low = 1 - exp(-C_LOW / sqrt(|y|)),   eps_high = exp(C_HIGH / sqrt(|y|)) - 1.
+# GSPO's band on log s is the same width at every length, while log s at theta_old spreads as 1/sqrt(|y|)
+# once pi_old is an engine's record (tutorial section 12): a fixed band clips short responses more
+# often. FSPO's band keeps the share clipped the same across lengths when S spreads as sqrt(|y|).
+# What the lab takes from the paper and what it sets itself:
+#   * the band's form, S within a band that scales as sqrt(L): the abstracts of v1 (September 2025)
+#     and v3 (the latest) both say so; the method section was out of reach here, so no equation
+#     number is cited and the form is checked only against the abstracts' words;
+#   * the drift: the v1 abstract says the band "applies a KL-corrected drift term", v3's names none.
+#     The lab follows v3: the band is centred on 0 (a centre moved by the record's bias is the
+#     calibrated band's, --eps-engine);
+#   * C: the paper's value was not read. The flag has no default; make figures-power sets it by a
+#     rule fixed before its runs (studies/power.py's FSPO_RULE);
+#   * the weight: the lab puts the band on GSPO's s and keeps GSPO's objective, so a run is GSPO with
+#     FSPO's band; FSPO's own weighting of the clipped ratio was not read and is not implemented.
+def fspo_constants(cfg: Config) -> tuple[float, float] | None:
+    """(C_LOW, C_HIGH) from --fspo-band "C" or "C_LOW,C_HIGH"; None without the flag."""
+    if not cfg.fspo_band:
+        return None
+    values = [float(v) for v in cfg.fspo_band.split(",")]
+    return (values[0], values[0]) if len(values) == 1 else (values[0], values[1])
+
+
+def fspo_band(mask: torch.Tensor, cfg: Config, eps_low, eps_high):
+    """--fspo-band's per-response (eps_low, eps_high), (B,) each, such that GSPO's clip(s, 1 - eps_low,
+    1 + eps_high) clips log s to [-C_LOW, C_HIGH] / sqrt(|y|); the floats unchanged without the flag."""
+    c = fspo_constants(cfg)
+    if c is None:
+        return eps_low, eps_high
+    root = (mask != 0).sum(-1).clamp(min=1).double().sqrt()                         # (B,)
+    return (-torch.expm1(-c[0] / root)).float(), torch.expm1(c[1] / root).float()
+
+
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1316,6 +1360,19 @@ def validate(cfg: Config) -> None:
         if not (cfg.record_noise or cfg.record_bins or engine):
             raise BadInput("--eps-engine calibrates the band for an engine's record as pi_old: it needs "
                            "--old-logprobs sampler with a bf16 or fp16 sampler, or --record-noise")
+    if cfg.fspo_band:
+        try:
+            c = fspo_constants(cfg)
+            ok = len(cfg.fspo_band.split(",")) <= 2 and all(math.isfinite(v) and v > 0 for v in c)
+        except ValueError:
+            ok = False
+        if not ok:
+            raise BadInput(f"--fspo-band takes C or C_LOW,C_HIGH, each a finite number > 0 (a width on the "
+                           f"sequence log-ratio per sqrt(token)), e.g. 0.03; got {cfg.fspo_band!r}")
+        if cfg.loss != "gspo":
+            raise BadInput(f"--fspo-band replaces GSPO's band on s; not for --loss {cfg.loss}")
+        if cfg.eps_engine is not None or cfg.eps_low is not None or cfg.eps_high is not None:
+            raise BadInput("--fspo-band replaces GSPO's band: drop --eps-engine, --eps-low and --eps-high")
     if cfg.scale_rewards not in ("group", "none"):
         raise BadInput(f"unknown --scale-rewards {cfg.scale_rewards!r}; choose group or none")
     if cfg.prompts_per_step * cfg.group_size > g.MAX_ROLLOUT:

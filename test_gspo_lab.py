@@ -930,6 +930,65 @@ def test_the_binned_engine_changes_pi_old_by_its_bins_and_nothing_the_rollout_dr
     assert first(bins)["engine_log_s_mean"] != 0 and bins == again
 
 
+# --- FSPO's band (--fspo-band) ---------------------------------------------------------------------
+@pytest.mark.parametrize("c", ["0.03", "0.01,0.05"])
+def test_fspos_band_clips_the_sequence_log_ratio_outside_minus_c_low_to_c_high_times_root_length(c):
+    """The band as the abstracts state it, on S = |y| log s: at lengths 1 to 1,000, a response whose
+    S lies just inside [-C_LOW sqrt(L), C_HIGH sqrt(L)] is not clipped, one just outside is (on the side
+    its advantage acts), and the clipped s is exp(clip(S, -C_LOW sqrt(L), C_HIGH sqrt(L)) / L)."""
+    cfg = g.parse_config(["--fspo-band", c, "--out", "runs/never"])
+    c_low, c_high = g.fspo_constants(cfg)
+    lengths = torch.tensor([1, 2, 3, 4, 7, 16, 100, 1000])
+    mask = torch.arange(1000)[None, :] < lengths[:, None]                         # (8, 1000)
+    low, high = g.fspo_band(mask, cfg, 3e-4, 4e-4)
+    L = lengths.double()
+    for edge, adv, inside in ((c_high * L.sqrt(), 1.0, 1 - 1e-6), (c_high * L.sqrt(), 1.0, 1 + 1e-6),
+                              (-c_low * L.sqrt(), -1.0, 1 - 1e-6), (-c_low * L.sqrt(), -1.0, 1 + 1e-6)):
+        S = edge * inside
+        s = torch.exp(S / L)
+        clipped = g.clipped_on_active_side(s, torch.full_like(s, adv), low.double(), high.double())
+        assert bool(clipped.all()) == (inside > 1) and bool(clipped.any()) == (inside > 1), (edge, inside)
+        paper = torch.exp(S.clamp(-c_low * L.sqrt(), c_high * L.sqrt()) / L)
+        ours = s.clamp(1 - low.double(), 1 + high.double())
+        assert torch.allclose(ours, paper, rtol=1e-6, atol=0)
+    assert g.fspo_band(mask, g.Config(), 3e-4, 4e-4) == (3e-4, 4e-4)                  # no flag: the floats as they are
+
+
+def test_gspo_with_fspos_band_is_its_loss_and_gradient_written_from_the_band_on_s():
+    """GSPO's loss with --fspo-band's per-response epsilons equals, value and gradient, the objective
+    written straight from the band: mean_i min(s_i A_i, exp(clip(S_i, -C sqrt(L_i), C sqrt(L_i)) / L_i) A_i)."""
+    gen = torch.Generator().manual_seed(0)
+    B, T, C = 12, 9, 0.02
+    lengths = torch.randint(1, T + 1, (B,), generator=gen)
+    mask = torch.arange(T)[None, :] < lengths[:, None]
+    old = -torch.rand(B, T, generator=gen, dtype=torch.float64) * 3
+    new = (old + torch.randn(B, T, generator=gen, dtype=torch.float64) * 0.03).requires_grad_()
+    adv = torch.randn(B, generator=gen, dtype=torch.float64)
+    low, high = g.fspo_band(mask, g.Config(fspo_band=f"{C}"), 3e-4, 4e-4)
+    ours = g.gspo_loss(new, old, adv, mask, low.double(), high.double())
+    (grad_ours,) = torch.autograd.grad(ours, new)
+    L = lengths.double()
+    S = ((new - old) * mask).sum(-1)
+    clipped = torch.exp(S.clamp(-C * L.sqrt(), C * L.sqrt()) / L)
+    written = -torch.minimum(torch.exp(S / L) * adv, clipped * adv).mean()
+    (grad_written,) = torch.autograd.grad(written, new)
+    assert torch.allclose(ours, written, rtol=1e-6) and torch.allclose(grad_ours, grad_written, rtol=1e-5, atol=1e-12)
+    assert 0 < int((torch.exp(S / L) != clipped).sum()) < B                          # the band bites on some, not all
+
+
+def test_a_run_with_fspos_band_clips_at_a_tiny_c_and_never_at_a_huge_one(tmp_path):
+    rows = {}
+    for c in ("1e-6", "1e9"):
+        folder = str(tmp_path / c)
+        assert g.main([*SHORT, "--data", digits_file(tmp_path), "--out", folder, "--fspo-band", c]) == 0
+        with open(os.path.join(folder, "metrics.jsonl")) as f:
+            rows[c] = [r for r in map(json.loads, f) if r["stage"] == "rl"]
+        with open(os.path.join(folder, "summary.json")) as f:
+            assert json.load(f)["config"]["fspo_band"] == c
+    assert all(r["clip_seqs"] == 0 for r in rows["1e9"])
+    assert sum(r["clip_seqs"] for r in rows["1e-6"]) > 0
+
+
 # --- the calibrated band (--eps-engine) -----------------------------------------------------------
 def test_a_calibrated_band_on_a_zero_gap_is_the_papers_band_bit_for_bit(tmp_path):
     """With the synthetic engine at K = SIGMA = 0 the estimates are 0 and the band is the paper's: the

@@ -390,6 +390,13 @@ BAD_NUMBERS = {
     "binned engine, a negative spread": ["--record-bins", "0.5:0:-0.1,1:0:0"],
     "binned engine beside the other": ["--record-bins", "1:0:0", "--record-noise", "1e-3,0.05"],
     "binned engine on a bf16 sampler": ["--record-bins", "1:0:0", "--sampler-dtype", "bfloat16"],
+    "fspo band, not a number": ["--fspo-band", "wide"],
+    "fspo band, zero": ["--fspo-band", "0"],
+    "fspo band, three numbers": ["--fspo-band", "0.03,0.03,0.03"],
+    "fspo band, inf": ["--fspo-band", "0.03,inf"],
+    "fspo band for grpo": ["--fspo-band", "0.03", "--loss", "grpo"],
+    "fspo band beside eps-high": ["--fspo-band", "0.03", "--eps-high", "0.01"],
+    "fspo band beside the calibrated band": ["--fspo-band", "0.03", "--eps-engine", "2", "--record-noise", "1e-3,0.05"],
 }
 
 
