@@ -14,7 +14,7 @@ STAMP     := .venv/.installed
 STAMP_TRL := .venv-trl/.installed
 STAMP_PRE := .venv-pretrained/.installed
 
-.PHONY: train profile train-seeds test test-isa check test-thorough verify figures trl test-trl bench test-pretrained pretrained pretrained-seeds figures-family figures-long figures-map figures-frontier engine figures-engine figures-mechanism figures-remedy mechanism-smollm2 gpu-check clean
+.PHONY: train profile train-seeds test test-isa check test-thorough verify figures trl test-trl bench test-pretrained pretrained pretrained-seeds figures-family figures-long figures-map figures-frontier engine figures-engine figures-mechanism figures-remedy figures-power mechanism-smollm2 gpu-check clean
 
 $(STAMP): requirements.txt
 	rm -rf .venv
@@ -115,6 +115,9 @@ figures-mechanism: $(STAMP)  ## why GSPO falls behind on an engine's record: bia
 
 figures-remedy: $(STAMP)  ## a band that survives the engine's gap: GSPO with the calibrated band (--eps-engine 1.96) on the bf16 record and on the synthetic engine at SmolLM2's floor, the fixed widened band, TRL's route and two controls (re-centring alone, widening alone), each against its reference's GSPO runs in figures/mechanism.json, 5 seeds, under the rule fixed before the runs: figures/mechanism_remedy.json (at most 60 min, resumable; its design and timed prototype first: python studies/mechanism.py remedy-design)
 	$(PY) studies/mechanism.py remedy
+
+figures-power: $(STAMP)  ## the record or the band? one paired study on add2, seeds 100-129: eleven arms (GSPO and GRPO on the trainer's pi_old and on a bf16 record, the fixed, calibrated and FSPO bands, both synthetic records), nine primary contrasts under Holm, a sign-flip test and bootstrap intervals, fixed before the runs: figures/power.json (at most 120 min, resumable; its design and timed prototype first: python studies/power.py design)
+	$(PY) studies/power.py figures
 
 mechanism-smollm2: $(STAMP_PRE)  ## the mechanism on SmolLM2, one step, no learning: GSPO's clip shares by sign of A with the bf16 record as pi_old against the lens's prediction (written first), and the gradient against the trainer's pi_old, under the paper's and the calibrated band, then the synthetic record: figures/mechanism_smollm2.json (at most 30 min, within 4 GiB per process, resumable; its prototype first: .venv-pretrained/bin/python studies/smollm2_step.py prototype)
 	$(PY_PRE) studies/smollm2_step.py

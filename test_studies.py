@@ -3003,6 +3003,82 @@ def test_the_analysis_finds_a_known_difference_and_not_a_null_at_the_stated_rate
     assert out["c - a16"]["positive"] + out["c - a16"]["negative"] == 30
 
 
+def test_the_power_studys_arms_take_their_values_from_the_committed_files_and_compared_arms_share_a_sampler():
+    """The design as the issue fixes it: eleven arms, the same RL seed in every arm of a seed, FSPO's
+    C = 1.96 SIGMA-hat, the synthetic records at the calibration's K-hat and SIGMA-hat and at the bins'
+    flag, the fixed band from engine.json; nine primary contrasts; every contrast balanced (its signs sum
+    to 0) and, but bf16 sampling alone (a16 - a32), between arms that sample in the same dtype."""
+    from studies import power
+    d = power.static_design()
+    cal = common.read_json("figures/mechanism_calibration.json")["add2"]
+    bins = common.read_json("figures/mechanism_bins.json")["heteroscedastic"]["flag"]
+    arms = d["arms"]
+    assert sorted(arms) == sorted(["a32", "a16", "b16", "c", "d", "e", "f", "g", "j", "h", "i"])
+    assert float(arms["j"]["flags"][arms["j"]["flags"].index("--fspo-band") + 1]) == pytest.approx(1.96 * cal["sigma_hat"], rel=1e-5)
+    assert arms["g"]["flags"] == arms["c"]["flags"] + arms["j"]["flags"]
+    assert arms["h"]["flags"] == ["--record-noise", f"{cal['k_hat']:.6g},{cal['sigma_hat']:.6g}"]
+    assert arms["i"]["flags"] == ["--record-bins", bins] and arms["a32"]["flags"] == []
+    assert arms["f"]["flags"] == arms["c"]["flags"] + ["--eps-engine", "1.96"]
+    assert {arms[a]["loss"] for a in ("b16", "d")} == {"grpo"} and all(arms[a]["loss"] == "gspo" for a in arms if a not in ("b16", "d"))
+    assert len(d["primary_family"]) == 9
+    for name, c in d["contrasts"].items():
+        assert sum(c["terms"].values()) == 0 and name in power.PROXIES
+        samplers = {arms[a]["sampler"] for a in c["terms"]}
+        assert len(samplers) == 1 or name in ("a16 - a32", "(h - a32) - (c - a16)", "(i - a32) - (c - a16)"), name
+    for a in arms:                                        # every flag set is one the lab accepts
+        assert g.validate(g.parse_config(arms[a]["flags"] + ["--loss", arms[a]["loss"], "--out", "runs/never"])) is None
+    jobs = power.arm_jobs(d | {"seeds": [100]}, [100], "runs/never")
+    assert [j["name"] for j in jobs] == ["warmup_dense_s100"] + [f"{a}_s100" for a in arms]
+    assert all(j["cmd"][j["cmd"].index("--seed") + 1] == "100" for j in jobs[1:])
+
+
+def test_the_power_analysis_recomputes_each_contrast_from_scores_and_scores_a_stopped_run_zero():
+    """Known scores by arm and seed: each contrast's differences are its signed sum seed by seed, a
+    non-finite stop scores 0 and is counted apart, a seed some arm has not finished is left out."""
+    import random
+    from studies import power
+    design = {"arms": {a: {} for a in power.ARMS}, "seeds": [100, 101, 102, 103],
+              "contrasts": {n: {"family": f, "terms": t, "question": q} for n, (f, t, q) in power.CONTRASTS.items()}}
+    rng = random.Random(0)
+    runs = [{"arm": a, "seed": s, "score": round(rng.random(), 3), "stopped_non_finite": False, "collapsed": False,
+             "reward_last_20": rng.random()} for a in power.ARMS for s in (100, 101, 102)]
+    runs.append({"arm": "a32", "seed": 103, "score": 0.5, "stopped_non_finite": False, "collapsed": False, "reward_last_20": 0.5})
+    runs[0].update(score=power.score_run({"accuracy_after_rl": None})[0], stopped_non_finite=True)   # a32 at 100
+    arms, out = power.analysis(design, runs, flips=500)
+    by = {(r["arm"], r["seed"]): r["score"] for r in runs}
+    for name, v in out.items():
+        terms = power.CONTRASTS[name][1]
+        assert v["seeds"] == [100, 101, 102]
+        assert v["differences_by_seed"] == pytest.approx([sum(sg * by[a, s] for a, sg in terms.items()) for s in (100, 101, 102)])
+        assert v["verdict"] in ("called, positive", "called, negative", "not called") or v["verdict"].startswith("secondary")
+    assert by["a32", 100] == 0.0 and arms["a32"]["stopped_non_finite"] == 1 and arms["a32"]["seeds"] == 3
+    assert out["(c - a16) - (d - b16)"]["differences_by_seed"] == pytest.approx(
+        [a - b for a, b in zip(out["c - a16"]["differences_by_seed"], out["d - b16"]["differences_by_seed"])])
+    assert "largest_effect_not_excluded" in out["(i - a32) - (c - a16)"]
+
+
+def test_the_committed_power_json_holds_the_codes_design_and_its_contrasts_recompute_from_its_runs():
+    """figures/power.json: its design is the code's (written before any run), its detectable effects
+    recompute from the committed proxies, its projection from its prototype; once it holds runs,
+    every contrast recomputes from them."""
+    from studies import power
+    rec = common.read_json(power.POWER_JSON)
+    d = rec["design"]
+    static = json.loads(json.dumps(power.static_design()))
+    assert {k: v for k, v in d.items() if k not in ("seeds", "detectable_effect")} == static
+    proj = power.projection(rec["prototype"], len(power.ARMS))
+    assert proj == rec["projection"] and d["seeds"] == list(power.SEEDS[:proj["seeds_kept"]])
+    effects = power.design_effects(len(d["seeds"]))
+    for name, row in d["detectable_effect"]["by_contrast"].items():
+        assert row["detectable_uncorrected"] == pytest.approx(effects[name]["detectable_uncorrected"], rel=1e-9)
+    assert set(rec["prototype"]["runs"]) == {f"{a}_s{power.PROTOTYPE_SEED}" for a in power.ARMS}
+    if not rec["runs"]:
+        assert rec["contrasts"] == {} and rec["arms"] == {}
+        return
+    arms, out = power.analysis(d, rec["runs"])
+    assert json.loads(json.dumps(out)) == rec["contrasts"] and json.loads(json.dumps(arms)) == rec["arms"]
+
+
 # --- make mechanism-smollm2: the lens's prediction and the scoring (studies/smollm2_step.py) ---------
 def test_paired_decode_hands_back_the_tokens_and_the_records_log_probs():
     tok, model, ids, attn = tiny_model_and_prompts()

@@ -694,6 +694,13 @@ def jobs_to_run(jobs: list[dict]) -> dict[str, str]:
     return remake
 
 
+def stopped_as_allowed(job: dict, code: int) -> bool:
+    """Whether a job that exited `code` ended as its study counts a result: a run stopped by a
+    non-finite step (exit 2 and a summary.json whose stop_reason says so) where the job allows it
+    (`"non_finite_is_a_result": True`: make figures-power scores such a run)."""
+    return bool(job.get("non_finite_is_a_result")) and code == 2 and bool(read_json(job["done"]).get("stop_reason"))
+
+
 def run_jobs(jobs: list[dict], folder: str, workers: int = 2, poll: float = 1.0) -> int:
     """Run `jobs` (name, cmd, done: the summary.json a finished job leaves, needs: the `done` of a
     job it waits for; optional argv: the script flags its run records, where cmd does not show
@@ -729,7 +736,7 @@ def run_jobs(jobs: list[dict], folder: str, workers: int = 2, poll: float = 1.0)
         for job, proc in list(active):
             if proc.poll() is not None:
                 active.remove((job, proc))
-                if proc.returncode or not finished(job["done"]):
+                if not finished(job["done"]) or (proc.returncode and not stopped_as_allowed(job, proc.returncode)):
                     failed.add(job["done"])
                 print(f"finished {job['name']} (exit {proc.returncode})", flush=True)
     if failed:
