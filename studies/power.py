@@ -395,12 +395,16 @@ def arm_jobs(design: dict, seeds, folder: str = POWER_RUNS) -> list[dict]:
 
 
 def prototype(design: dict) -> dict:
-    """Seed PROTOTYPE_SEED's warm-up, then one run of every arm from it, two at a time as the target
-    runs them: each run's seconds under that load, and the whole."""
+    """Seed PROTOTYPE_SEED's warm-up (kept where made), then one fresh run of every arm from it, two
+    at a time as the target runs them: each run's seconds under that load, and the wall clock of the
+    whole (process start-up and the last run's lone minutes included)."""
+    import shutil
     import time
     from studies import map as regimes
     jobs = arm_jobs(design, [PROTOTYPE_SEED], os.path.join(POWER_RUNS, "prototype"))
     warm, runs = jobs[0], jobs[1:]
+    for job in runs:                                  # timed afresh, never kept from an earlier prototype
+        shutil.rmtree(os.path.dirname(job["done"]), ignore_errors=True)
     run_jobs([warm], os.path.join(POWER_RUNS, "prototype"), workers=1)
     t0 = time.perf_counter()
     run_jobs(runs, os.path.join(POWER_RUNS, "prototype"), workers=2)
@@ -414,14 +418,16 @@ def prototype(design: dict) -> dict:
 
 
 def projection(proto: dict, n_arms: int) -> dict:
-    """The target's seconds at n seeds: per seed, one warm-up and every arm, two at a time; and the
-    most seeds (of 30) that fit PROJECTION_MARGIN of the budget."""
-    per_seed = (proto["warmup_seconds"] + sum(r["wall_seconds"] for r in proto["runs"].values())) / 2
+    """The target's seconds at n seeds: per seed, half a warm-up (it runs beside an arm) and the
+    prototype's wall clock for every arm two at a time; and the most seeds (of 30) that fit
+    PROJECTION_MARGIN of the budget."""
+    per_seed = proto["warmup_seconds"] / 2 + proto["two_at_a_time_seconds"]
     kept = max(n for n in range(0, len(SEEDS) + 1) if n * per_seed <= PROJECTION_MARGIN * BUDGET_SECONDS)
     return {"seconds_per_seed": per_seed, "seconds_at_30_seeds": per_seed * len(SEEDS), "seeds_kept": kept,
             "seconds_at_seeds_kept": per_seed * kept, "runs_at_seeds_kept": kept * n_arms,
-            "from": "prototype: its warm-up's seconds and its runs' seconds two at a time, summed and halved "
-                    "(the prototype's own wall clock for its runs is two_at_a_time_seconds)"}
+            "from": "prototype: half its warm-up's seconds and the wall clock of its eleven runs two at a time "
+                    "(two_at_a_time_seconds; the sum of their own seconds, halved, is less: it leaves out "
+                    "each process's start-up and the last run's lone minutes)"}
 
 
 def write_design() -> dict:
