@@ -21,7 +21,7 @@ import gspo_lab as g
 import gspo_minimal as minimal
 from conftest import PRE_MOVE, TINY, at_commit, pre_split, tiny_llama_for
 from studies import (common, engine, family, figures, frontier, gpu_check, lens, long, map as regimes, mechanism,
-                     metrics, pretrained, pretrained_seeds, smollm2_step, speed, trl_compare, verify)
+                     metrics, power, pretrained, pretrained_seeds, smollm2_step, speed, trl_compare, verify)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 EXTRAS = ("requirements-trl.txt", "requirements-pretrained.txt")
@@ -1451,11 +1451,15 @@ def json_value(data, path: str):
 
 
 def tag_value(expr: str, data):
-    """`PATH`, `PATH / PATH` or `PATH - PATH` evaluated on one JSON file."""
+    """`PATH`, `PATH / PATH` or `PATH - PATH` evaluated on one JSON file (an operator inside [...], as in
+    a key ['c - a16'], is part of the key)."""
+    depth = [0]
+    for ch in expr:
+        depth.append(depth[-1] + (ch == "[") - (ch == "]"))
     for op, fn in ((" / ", lambda a, b: a / b), (" - ", lambda a, b: a - b)):
-        if op in expr:
-            left, right = expr.split(op)
-            return fn(json_value(data, left), json_value(data, right))
+        at = [i for i in range(len(expr)) if expr.startswith(op, i) and depth[i] == 0]
+        if at:
+            return fn(json_value(data, expr[:at[0]]), json_value(data, expr[at[0] + len(op):]))
     return json_value(data, expr)
 
 
@@ -1510,6 +1514,7 @@ def test_the_tag_checker_catches_a_wrong_number():
     assert json_value({"m": {"top_p_0.9": [1, 2]}}, "m['top_p_0.9'][1]") == 2
     assert not shown_equals("0.847", json_value(data, "runs[name=a].x"))
     assert shown_equals("84.6%", 0.8461) and shown_equals("1.69x".rstrip("x"), tag_value("runs[0].x / runs[1].x", data))
+    assert tag_value("m['(a - b) - c'] - m['d']", {"m": {"(a - b) - c": 0.5, "d": 0.2}}) == pytest.approx(0.3)
     assert shown_equals("3,751", 3751.2) and shown_equals("4.0e-05", 4.04e-5) and not shown_equals("4e-5", 6e-5)
     lines = list(tagged_numbers("| GSPO | 0.10 and 0.25<!-- f.json:r --> | 0.846<!-- f.json:runs[1].x --> | "
                                 "0.010-0.052<!-- f.json:r --> |"))
@@ -1964,7 +1969,7 @@ def test_each_committed_figure_file_is_one_targets_own_output():
     every committed file in figures/ belongs to one target, but the kept earlier copies."""
     owners = {}
     for study in (figures, family, long, regimes, pretrained, pretrained_seeds, trl_compare, lens, engine, frontier,
-                  speed, mechanism, smollm2_step):
+                  speed, mechanism, smollm2_step, power):
         for out in study.OUTPUTS:
             assert out not in owners, f"{out}: {owners.get(out)} and {study.__name__}"
             owners[out] = study.__name__
@@ -3064,7 +3069,7 @@ def test_the_committed_power_json_holds_the_codes_design_and_its_contrasts_recom
     from studies import power
     rec = common.read_json(power.POWER_JSON)
     d = rec["design"]
-    static = json.loads(json.dumps(power.static_design()))
+    static = json.loads(json.dumps(power.static_design(), allow_nan=False))
     assert {k: v for k, v in d.items() if k not in ("seeds", "detectable_effect")} == static
     proj = power.projection(rec["prototype"], len(power.ARMS))
     assert proj == rec["projection"] and d["seeds"] == list(power.SEEDS[:proj["seeds_kept"]])
@@ -3076,7 +3081,7 @@ def test_the_committed_power_json_holds_the_codes_design_and_its_contrasts_recom
         assert rec["contrasts"] == {} and rec["arms"] == {}
         return
     arms, out = power.analysis(d, rec["runs"])
-    assert json.loads(json.dumps(out)) == rec["contrasts"] and json.loads(json.dumps(arms)) == rec["arms"]
+    assert json.loads(json.dumps(out, allow_nan=False)) == rec["contrasts"] and json.loads(json.dumps(arms, allow_nan=False)) == rec["arms"]
 
 
 # --- make mechanism-smollm2: the lens's prediction and the scoring (studies/smollm2_step.py) ---------

@@ -437,7 +437,7 @@ def write_design() -> dict:
     static = static_design()
     if os.path.exists(POWER_JSON):
         old = read_json(POWER_JSON)
-        if {k: v for k, v in old["design"].items() if k not in ("seeds", "detectable_effect")} != json.loads(json.dumps(static)):
+        if {k: v for k, v in old["design"].items() if k not in ("seeds", "detectable_effect")} != json.loads(json.dumps(static, allow_nan=False)):
             fail(f"{POWER_JSON} holds another design than the code's; move it away to write this one")
         return old
     proto = prototype(static)
