@@ -463,6 +463,22 @@ def test_figures_long_runs_exactly_the_spec_list_each_from_its_seeds_warm_up():
         assert cmd[cmd.index("--out") + 1] == os.path.join(long.LONG_RUNS, name)
 
 
+@pytest.mark.parametrize("allowed", [True, False])
+def test_a_run_stopped_non_finite_is_a_result_only_where_its_job_says_so(tmp_path, allowed):
+    """A job that exits 2 with a summary.json whose stop_reason is set (a non-finite step) counts as
+    finished where the job allows it (make figures-power scores such runs); elsewhere run_jobs fails."""
+    done = tmp_path / "run" / "summary.json"
+    script = (f"import json, os, sys; os.makedirs({str(done.parent)!r}, exist_ok=True); "
+              f"json.dump({{'stop_reason': 'minibatch 1 has loss nan', 'interrupted': False}}, open({str(done)!r}, 'w')); sys.exit(2)")
+    job = {"name": "run", "needs": None, "done": str(done), "cmd": [sys.executable, "-c", script],
+           "non_finite_is_a_result": allowed}
+    if allowed:
+        assert common.run_jobs([job], str(tmp_path), poll=0.05) == 1
+    else:
+        with pytest.raises(common.StudyFailed):
+            common.run_jobs([job], str(tmp_path), poll=0.05)
+
+
 def test_an_interrupted_run_is_not_a_finished_one(tmp_path):
     path = tmp_path / "summary.json"
     assert not common.finished(str(path))
