@@ -226,9 +226,9 @@ def run_basics(name: str, folder: str, warm_dir: str) -> tuple[dict, list[dict]]
             "accuracy_before_rl": s["accuracy_before_rl"], "accuracy_after_rl": s["accuracy_after_rl"],
             "val_acc_at_rl_start": start, "val_acc_at_step": curve,
             "collapsed": start is not None and is_collapsed(start, list(curve.values())),
-            "clip_tokens": statistics.fmean(r["clip_tokens"] for r in rl),
-            "clip_seqs": statistics.fmean(r["clip_seqs"] for r in rl),
-            "grad_norm_max": max(r["grad_norm"] for r in rl),
+            "clip_tokens": statistics.fmean(r["clip_tokens"] for r in rl) if rl else None,   # none: stopped at step 1
+            "clip_seqs": statistics.fmean(r["clip_seqs"] for r in rl) if rl else None,
+            "grad_norm_max": max(r["grad_norm"] for r in rl) if rl else None,
             "wall_seconds": s["wall_seconds"], "rl_seconds": s["rl_seconds"]}, rl
 
 

@@ -237,8 +237,11 @@ TEST_RULE = ("each contrast: the paired differences over seeds (an interaction: 
              "by Holm's step-down at 0.05 and a contrast is called when Holm rejects it; the secondary "
              "contrasts are reported uncorrected, labelled so, and never called")
 SCORE_RULE = ("a run that stops non-finite (summary.json: stop_reason set, accuracy_after_rl null) scores 0 "
-              "test accuracy, the floor of what its arm can reach, and is counted apart in its arm; a "
-              "collapsed run is scored as measured")
+              "test accuracy, the floor of what its arm can reach, and is counted apart in its arm; its "
+              f"reward_last_{LAST_STEPS} is the mean over the last {LAST_STEPS} of the steps it logged, 0 "
+              "when it stopped at step 1; a collapsed run is scored as measured. A run or warm-up that fails "
+              "otherwise (no summary.json) stops the target, which resumes once the cause is fixed: the "
+              "analysis reads only seeds every arm finished")
 EQUIVALENCE_NOTE = ("an equivalence test (two one-sided tests at 0.05) with 80% power at a true difference of "
                     "0 needs a margin of (z(0.95) + z(0.9)) sd / sqrt(n); at 30 seeds and the proxies' spread "
                     "that margin is too wide to mean much beside the effects in question, so the study "
@@ -403,17 +406,22 @@ def prototype(design: dict) -> dict:
     import shutil
     import time
     from studies import map as regimes
-    jobs = arm_jobs(design, [PROTOTYPE_SEED], os.path.join(POWER_RUNS, "prototype"))
+    folder = os.path.join(POWER_RUNS, "prototype")
+    jobs = arm_jobs(design, [PROTOTYPE_SEED], folder)
     warm, runs = jobs[0], jobs[1:]
-    for job in runs:                                  # timed afresh, never kept from an earlier prototype
+    timing = os.path.join(folder, "warmup_timing")     # a warm-up of the same seed made here, to time it
+    timed_warm = {**warm, "name": "warmup_timing", "done": os.path.join(timing, "summary.json"),
+                  "cmd": warm["cmd"][:-1] + [timing], "argv": warm["argv"][:-1] + [timing]}
+    for job in [timed_warm] + runs:                    # timed afresh, never kept from an earlier prototype
         shutil.rmtree(os.path.dirname(job["done"]), ignore_errors=True)
-    run_jobs([warm], os.path.join(POWER_RUNS, "prototype"), workers=1)
+    run_jobs([warm, timed_warm], folder, workers=1)
     t0 = time.perf_counter()
     run_jobs(runs, os.path.join(POWER_RUNS, "prototype"), workers=2)
     elapsed = time.perf_counter() - t0
     return {"seed": PROTOTYPE_SEED, "what": "timings only: the runs' accuracies are not read",
-            "warmup_seconds": read_json(warm["done"])["wall_seconds"],
-            "warmup_from": regimes.warm_path("dense", PROTOTYPE_SEED),
+            "warmup_seconds": read_json(timed_warm["done"])["wall_seconds"],
+            "warmup_from": f"{timing}: a warm-up of seed {PROTOTYPE_SEED} made by the prototype, alone (the runs "
+                           f"start from {regimes.warm_path('dense', PROTOTYPE_SEED)}, made where missing)",
             "runs": {job["name"]: {"command": " ".join(job["cmd"][1:]), "wall_seconds": read_json(job["done"])["wall_seconds"]}
                      for job in runs},
             "two_at_a_time_seconds": elapsed}
