@@ -845,9 +845,9 @@ def summarise_minibatches(logs: list[dict]) -> dict:
     exceeds it). `grad_norm`: the largest minibatch's, before clipping. Per minibatch in order: its
     share of clipped sequences, the `quantiles` of |log s| and of |delta_t|, and the mean of
     log(pi_old / pi_theta) over its tokens just before its update (0 for minibatch 1 with the
-    trainer's pi_old). The engine gap is minibatch 1's; where pi_old's record differs from the
-    trainer (`engine_differs`), the clip shares among responses and tokens with A > 0 and A < 0
-    (`clip_seqs_pos_adv`, ..., the responses' also per minibatch); --is-correction's mean and zero weights.
+    trainer's pi_old). The engine gap is minibatch 1's; the clip shares among responses and tokens
+    with A > 0 and A < 0 (`clip_seqs_pos_adv`, ..., the responses' also per minibatch: the lab's, not
+    gspo_minimal's); --is-correction's mean and zero weights.
     """
     s = torch.cat([m["s"] for m in logs])                                  # (B,)
     tokens = max(sum(m["n_tokens"] for m in logs), 1)
@@ -861,12 +861,11 @@ def summarise_minibatches(logs: list[dict]) -> dict:
             "form_gap": max(m["form_gap"] for m in logs),
             **({"grad_norm": max(m["grad_norm"] for m in logs)} if "grad_norm" in logs[0] else {}),
             **{k: v for k, v in logs[0].items() if k.startswith("engine_")},
-            **({**{f"clip_{unit}_{side}_adv": sum(m[f"n_clip_{unit}_{side}"] for m in logs)
-                   / max(sum(m[f"n_{unit}_{side}"] for m in logs), 1)
-                   for unit in ("seqs", "tokens") for side in ("pos", "neg")},
-                "clip_seqs_by_sign_by_minibatch": [[m[f"n_clip_seqs_{side}"] / max(m[f"n_seqs_{side}"], 1)
-                                                    for side in ("pos", "neg")] for m in logs]}
-               if "engine_log_s_mean" in logs[0] else {}),
+            **{f"clip_{unit}_{side}_adv": sum(m[f"n_clip_{unit}_{side}"] for m in logs)
+               / max(sum(m[f"n_{unit}_{side}"] for m in logs), 1)
+               for unit in ("seqs", "tokens") for side in ("pos", "neg")},
+            "clip_seqs_by_sign_by_minibatch": [[m[f"n_clip_seqs_{side}"] / max(m[f"n_seqs_{side}"], 1)
+                                                for side in ("pos", "neg")] for m in logs],
             **({"is_weight_mean": sum(m["is_weight_sum"] for m in logs) / tokens,
                 "is_masked_tokens": sum(m["n_is_zero"] for m in logs) / tokens} if "is_weight_sum" in logs[0] else {}),
             "clip_seqs_by_minibatch": [m["n_clip_seqs"] / len(m["s"]) for m in logs],

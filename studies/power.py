@@ -371,9 +371,8 @@ def static_design() -> dict:
             "outcomes": {"primary": "accuracy_after_rl (test set, the final model)",
                          "secondary": [f"reward_last_{LAST_STEPS}: the mean rollout reward over the last {LAST_STEPS} RL steps",
                                        "collapsed (the map's definition, `collapse`)",
-                                       "clip shares by sign of A at minibatch 1 and later (mechanism.by_sign), where the "
-                                       "run logs them: every arm whose sampler or record differs from the float32 "
-                                       "trainer; a32, e and j log the overall clip share (clip_seqs) only"]},
+                                       "clip shares by sign of A at minibatch 1 and later (mechanism.by_sign; with the "
+                                       "trainer's pi_old minibatch 1 cannot clip, s = 1 there)"]},
             "values_read": values, "fspo_widths": fspo_widths(values),
             "equivalence": EQUIVALENCE_NOTE, "proxies": PROXY_NOTE,
             "budget_seconds": BUDGET_SECONDS, "projection_margin": PROJECTION_MARGIN, "workers": 2, "threads_per_run": 1,
