@@ -750,9 +750,16 @@ def patch_script(monkeypatch, name: str, make) -> None:
         monkeypatch.setattr(module, name, make(module))
 
 
+# Keys the lab writes since the move where the earlier code wrote none: the clip shares by sign of A,
+# in every run since make figures-power (before, only where pi_old's record differed from the trainer).
+ADDED_SINCE = ("clip_seqs_pos_adv", "clip_seqs_neg_adv", "clip_tokens_pos_adv", "clip_tokens_neg_adv",
+               "clip_seqs_by_sign_by_minibatch")
+
+
 def assert_same(a, b, where: str = "result", clock=()) -> None:
     """a and b equal in type and value, floats bit for bit (NaN equals NaN), tensors element for
-    element, dicts key for key in the same order. A dict's `command` is not compared (see above),
+    element, dicts key for key in the same order (b may add the keys ADDED_SINCE where a has none). A
+    dict's `command` is not compared (see above),
     nor the keys named in `clock`: readings of the wall clock, which no two calls share."""
     if dataclasses.is_dataclass(a) and dataclasses.is_dataclass(b):    # a Config: the pre-move script's or the lab's,
         defaults = dataclasses.asdict(type(b)())                          # its fields in another order, and the
@@ -766,7 +773,7 @@ def assert_same(a, b, where: str = "result", clock=()) -> None:
         a, b = dict(sorted(a.items())), dict(sorted((k, v) for k, v in b.items() if k in a))
     if isinstance(a, dict):
         ka = [k for k in a if k != "command" and k not in clock]
-        kb = [k for k in b if k != "command" and k not in clock]
+        kb = [k for k in b if k != "command" and k not in clock and not (k in ADDED_SINCE and k not in a)]
         assert ka == kb, f"{where}: keys {ka} != {kb}"
         for k in ka:
             assert_same(a[k], b[k], f"{where}[{k!r}]", clock)
@@ -3076,6 +3083,28 @@ def test_the_power_analysis_recomputes_each_contrast_from_scores_and_scores_a_st
     assert out["(c - a16) - (d - b16)"]["differences_by_seed"] == pytest.approx(
         [a - b for a, b in zip(out["c - a16"]["differences_by_seed"], out["d - b16"]["differences_by_seed"])])
     assert "largest_effect_not_excluded" in out["(i - a32) - (c - a16)"]
+
+
+def test_figures_power_runs_the_committed_design_and_keeps_where_it_was_written(tmp_path, monkeypatch):
+    """The target's glue, its training replaced: it reads the committed design (never writes another),
+    runs every seed's warm-up and arms, analyses the seeds all arms finished, and keeps the design's
+    own provenance beside the runs' (write_result replaces the file's)."""
+    from studies import power
+    path = tmp_path / "power.json"
+    path.write_text(open(os.path.join(HERE, power.POWER_JSON)).read())
+    monkeypatch.setattr(power, "POWER_JSON", str(path))
+    monkeypatch.setattr(power, "POWER_RUNS", str(tmp_path / "runs"))
+    ran = []
+    monkeypatch.setattr(power, "run_jobs", lambda jobs, folder, workers=2: ran.extend(jobs))
+    design = common.read_json(str(path))["design"]
+    monkeypatch.setattr(power, "collect", lambda d, folder=None: [
+        {"arm": a, "seed": s, "score": 0.5 + 0.01 * (a == "c"), "stopped_non_finite": False, "collapsed": False,
+         "reward_last_20": 0.3} for s in d["seeds"][:3] for a in d["arms"]])
+    record = power.figures_power()
+    assert len(ran) == len(design["seeds"]) * (1 + len(design["arms"]))
+    assert record["design_written"]["measured_at_commit"] == common.read_json(str(path))["measured_at_commit"]
+    assert record["contrasts"]["c - a16"]["differences_by_seed"] == pytest.approx([0.01] * 3)
+    assert record["contrasts"]["c - a16"]["seeds"] == design["seeds"][:3]
 
 
 def test_the_committed_power_json_holds_the_codes_design_and_its_contrasts_recompute_from_its_runs():

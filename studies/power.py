@@ -528,6 +528,8 @@ def figures_power() -> dict:
     if not os.path.exists(POWER_JSON):
         fail(f"make figures-power runs the design in {POWER_JSON}: write it first with `python studies/power.py design`")
     record = write_design()
+    record.setdefault("design_written", {k: record.get(k) for k in ("command", "seconds", "measured_at_commit",
+                                                                  "dirty", "dirty_paths")})   # kept past the runs' own
     d = record["design"]
     ledger = Ledger(os.path.join(POWER_RUNS, "figures_seconds.json"))
     try:
