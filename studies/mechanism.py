@@ -69,9 +69,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import torch  # noqa: E402
 
 import gspo_lab as g  # noqa: E402
-from studies.common import (Ledger, Parser, cli, common_sign, fail, kept_design, paired_differences,  # noqa: E402
-                            read_json, rewrite_json, run_jobs, script_job, second_stream_noise, write_json,
-                            write_result)
+from studies.common import (Ledger, Parser, cli, fail, kept_design, paired_differences, read_json,  # noqa: E402
+                            rewrite_json, run_jobs, script_job, write_json, write_result)
 
 OUTPUTS = ("figures/mechanism_calibration.json", "figures/mechanism.json", "figures/mechanism_remedy.json",
            "figures/mechanism_readings.json", "figures/mechanism_bins.json")
