@@ -3006,8 +3006,8 @@ def test_the_sign_flip_test_is_exact_for_few_seeds_and_holm_steps_down():
     assert abs(power.normal_quantile(0.975) - 1.959964) < 1e-5
     assert power.detectable_effect(0.14, 30) == pytest.approx((1.959964 + 0.841621) * 0.14 / 30 ** 0.5, rel=1e-5)
     assert power.score_run({"accuracy_after_rl": None}) == (0.0, True) and power.score_run({"accuracy_after_rl": 0.5}) == (0.5, False)
-    with pytest.raises(ValueError, match="seed by seed"):
-        power.interaction([0.1, 0.2], [0.1])
+    with pytest.raises(KeyError):                                            # an interaction pairs seed by seed
+        power.signed_sum({"c": 1, "a16": -1, "d": -1, "b16": 1}, {"c": {1: 0.5}, "a16": {1: 0.4}, "d": {1: 0.3}, "b16": {}}, [1])
     lo, hi = power.bootstrap_mean_interval([0.1, 0.3, 0.2, 0.25, 0.15])
     assert lo < 0.2 < hi
 

@@ -94,13 +94,6 @@ def contrast(diffs: list[float], flips: int = FLIPS) -> dict:
             "negative": sum(d < 0 for d in diffs), "p": sign_flip_p(diffs, flips)}
 
 
-def interaction(a: list[float], b: list[float]) -> list[float]:
-    """(x - y) - (u - v) seed by seed, from two contrasts' paired differences in one seed order."""
-    if len(a) != len(b):
-        raise ValueError(f"an interaction pairs two contrasts seed by seed: {len(a)} and {len(b)} seeds")
-    return [x - y for x, y in zip(a, b)]
-
-
 def analyse(primary: dict[str, list[float]], secondary: dict[str, list[float]], flips: int = FLIPS) -> dict:
     """Every contrast, called or not: the primary family Holm-corrected, the secondary uncorrected."""
     out = {name: {**contrast(d, flips), "family": "primary"} for name, d in primary.items()}
@@ -126,16 +119,22 @@ def detectable_effect(sd: float, n: int, alpha: float = ALPHA, power: float = PO
     return (normal_quantile(1 - alpha / 2) + normal_quantile(power)) * sd / math.sqrt(n)
 
 
-def committed_paired_spreads(mech_json: str = "figures/mechanism.json") -> dict[str, float]:
-    """The standard deviation over seeds of each committed mechanism cell's GSPO - GRPO differences:
-    the paired spreads the study's detectable effects are computed from, before any of its runs."""
-    mech = read_json(mech_json)
-    acc: dict = {}
-    for r in mech["runs"]:
+def committed_accuracies(path: str) -> dict:
+    """(cell, loss) -> {seed: accuracy_after_rl} of a committed study's first-stream runs."""
+    out: dict = {}
+    for r in read_json(path)["runs"]:
         if r["rl_seed"] == r["seed"]:
-            acc.setdefault(r["cell"], {}).setdefault(r["loss"], {})[r["seed"]] = r["accuracy_after_rl"]
-    seeds = sorted({r["seed"] for r in mech["runs"]})
-    return {cell: statistics.stdev(paired_differences(v["gspo"], v["grpo"], seeds)) for cell, v in sorted(acc.items())}
+            out.setdefault((r["cell"], r["loss"]), {})[r["seed"]] = r["accuracy_after_rl"]
+    return out
+
+
+def committed_paired_spreads(mech_json: str = "figures/mechanism.json") -> dict[str, float]:
+    """The standard deviation over seeds of each committed mechanism cell's GSPO - GRPO differences
+    (`effects` prints them beside the contrasts' own spreads, `proxy_spread`)."""
+    acc = committed_accuracies(mech_json)
+    seeds = sorted({s for by_seed in acc.values() for s in by_seed})
+    return {cell: statistics.stdev(paired_differences(acc[cell, "gspo"], acc[cell, "grpo"], seeds))
+            for cell in sorted({cell for cell, _ in acc})}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -251,15 +250,6 @@ EQUIVALENCE_NOTE = ("an equivalence test (two one-sided tests at 0.05) with 80% 
 def signed_sum(terms: dict[str, int], acc: dict[str, dict[int, float]], seeds) -> list[float]:
     """Per seed, sum of sign x accuracy over a contrast's arms: the contrast's paired differences."""
     return [sum(sign * acc[arm][seed] for arm, sign in terms.items()) for seed in seeds]
-
-
-def committed_accuracies(path: str) -> dict:
-    """(cell, loss) -> {seed: accuracy_after_rl} of a committed study's first-stream runs."""
-    out: dict = {}
-    for r in read_json(path)["runs"]:
-        if r["rl_seed"] == r["seed"]:
-            out.setdefault((r["cell"], r["loss"]), {})[r["seed"]] = r["accuracy_after_rl"]
-    return out
 
 
 def proxy_spread(name: str, cache: dict | None = None) -> dict:
@@ -415,7 +405,7 @@ def prototype(design: dict) -> dict:
         shutil.rmtree(os.path.dirname(job["done"]), ignore_errors=True)
     run_jobs([warm, timed_warm], folder, workers=1)
     t0 = time.perf_counter()
-    run_jobs(runs, os.path.join(POWER_RUNS, "prototype"), workers=2)
+    run_jobs(runs, folder, workers=2)
     elapsed = time.perf_counter() - t0
     return {"seed": PROTOTYPE_SEED, "what": "timings only: the runs' accuracies are not read",
             "warmup_seconds": read_json(timed_warm["done"])["wall_seconds"],
@@ -487,6 +477,12 @@ def complete_seeds(design: dict, runs: list[dict]) -> list[int]:
     return [s for s in design["seeds"] if all((a, s) in have for a in design["arms"])]
 
 
+def median_or_none(values: list) -> float | None:
+    """The median of the values that are not None (a key some runs did not log); None if none are."""
+    present = [v for v in values if v is not None]
+    return statistics.median(present) if present else None
+
+
 def analysis(design: dict, runs: list[dict], flips: int = FLIPS) -> tuple[dict, dict]:
     """(per arm, per contrast) from the runs, over the seeds every arm finished: the contrasts by
     `analyse` on the scores, each with a verdict, the reward's paired difference beside it and, where
@@ -513,7 +509,7 @@ def analysis(design: dict, runs: list[dict], flips: int = FLIPS) -> tuple[dict, 
     arms = {}
     for a in design["arms"]:
         mine = [by[a, s] for s in seeds]
-        med = lambda key: statistics.median(x[key] for x in mine if x.get(key) is not None) if any(x.get(key) is not None for x in mine) else None
+        med = lambda key: median_or_none([x.get(key) for x in mine])
         arms[a] = {"seeds": len(mine), "score_median": med("score"), "score_mean": statistics.fmean(x["score"] for x in mine),
                    "collapsed": sum(x["collapsed"] for x in mine), "stopped_non_finite": sum(x["stopped_non_finite"] for x in mine),
                    f"reward_last_{LAST_STEPS}_median": med(f"reward_last_{LAST_STEPS}"),
