@@ -3106,6 +3106,9 @@ def test_figures_power_runs_the_committed_design_and_keeps_where_it_was_written(
     assert record["design_written"]["measured_at_commit"] == committed.get("design_written", committed)["measured_at_commit"]
     assert record["contrasts"]["c - a16"]["differences_by_seed"] == pytest.approx([0.01] * 3)
     assert record["contrasts"]["c - a16"]["seeds"] == design["seeds"][:3]
+    png = tmp_path / "power.png"
+    power.plot_power(record, str(png))                 # the target's plot, drawn from the record alone
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 20_000
 
 
 def test_the_committed_power_json_holds_the_codes_design_and_its_contrasts_recompute_from_its_runs():

@@ -5,7 +5,8 @@
     python studies/power.py design    # the timed prototype (seed 0's warm-up, one run per arm, two at
                                       # a time), then the design and its projection: figures/power.json
     python studies/power.py figures   # make figures-power: the warm-ups and runs of seeds 100-129
-                                      # (resumable, two at a time), then every contrast
+                                      # (resumable, two at a time), then every contrast and its plot
+    python studies/power.py redraw    # figures/power.png from figures/power.json (seconds)
 
 The question: GSPO fell behind GRPO when pi_old came from a bf16 sampler's record, on add2 at five
 seeds, under a rule that calls only effects of about 0.2 in test accuracy. Is that the record's cost
@@ -40,7 +41,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from studies.common import (Ledger, Parser, cli, fail, paired_differences, read_json, run_jobs,  # noqa: E402
                             script_job, write_json, write_result)
 
-OUTPUTS = ("figures/power.json",)
+OUTPUTS = ("figures/power.json", "figures/power.png")
+POWER_PNG = "figures/power.png"
 ALPHA, POWER = 0.05, 0.8
 EXACT_UP_TO = 16                        # seeds: up to 2^16 sign patterns are enumerated
 FLIPS = 10_000
@@ -538,10 +540,57 @@ def figures_power() -> dict:
     return record
 
 
+def plot_power(record: dict, path: str = POWER_PNG) -> None:
+    """Left, each arm's test accuracy after RL, one dot per seed (x: a collapsed run), its median a
+    bar; right, each contrast's mean paired difference with its bootstrap 95% interval, the primary
+    family above the secondary, a filled marker where Holm called it, its sign count beside it."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+    d, runs, contrasts = record["design"], record["runs"], record["contrasts"]
+    seeds = set(next(iter(contrasts.values()))["seeds"]) if contrasts else set()
+    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 6.5), gridspec_kw={"width_ratios": [1, 1.25]})
+    arms = list(d["arms"])
+    jitter = np.random.default_rng(0)
+    for y, arm in enumerate(arms):
+        mine = [r for r in runs if r["arm"] == arm and r["seed"] in seeds]
+        for collapsed in (False, True):
+            xs = [r["score"] for r in mine if r["collapsed"] == collapsed]
+            left.scatter(xs, y + jitter.uniform(-0.18, 0.18, len(xs)), s=14, alpha=0.6,
+                         marker="x" if collapsed else "o", color="C3" if collapsed else "C0")
+        if mine:
+            left.plot([statistics.median(r["score"] for r in mine)] * 2, [y - 0.32, y + 0.32], color="k", lw=2)
+    left.set_yticks(range(len(arms)), [f"{a}: {d['arms'][a]['loss']}" for a in arms])
+    left.invert_yaxis()
+    left.set_xlabel("test accuracy after RL (one dot per seed; x: collapsed; bar: median)")
+    left.set_title(f"the arms, {len(seeds)} paired seeds", fontsize=10)
+    names = list(contrasts)
+    for y, name in enumerate(names):
+        v = contrasts[name]
+        primary = v["family"] == "primary"
+        lo, hi = v["ci95"]
+        color = "C0" if primary else "0.5"
+        right.plot([lo, hi], [y, y], color=color, lw=2)
+        right.plot([v["mean_difference"]], [y], "o", color=color, mfc=color if v["called"] else "white", ms=7)
+        right.annotate(f"{v['positive']}+ {v['negative']}-  p {v['p']:.2g}", (1.01, y), xycoords=("axes fraction", "data"),
+                       va="center", fontsize=8)
+    right.axvline(0, color="k", lw=0.8)
+    right.set_yticks(range(len(names)), [n + ("" if contrasts[n]["family"] == "primary" else " (2nd)") for n in names])
+    right.invert_yaxis()
+    right.set_xlabel("mean paired difference in test accuracy, bootstrap 95% interval")
+    right.set_title("the contrasts (filled: called under Holm; grey: secondary, uncorrected)", fontsize=10)
+    fig.suptitle("The record or the band: add2, 70 RL steps, seeds 100-129, design fixed before the runs (make figures-power)",
+                 fontsize=11)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 @cli
 def main(argv=None) -> int:
     parser = Parser(description=__doc__.splitlines()[0])
-    parser.add_argument("what", choices=["effects", "design", "figures"])
+    parser.add_argument("what", choices=["effects", "design", "figures", "redraw"])
     what = parser.parse_args(argv).what
     if what == "effects":
         spreads = committed_paired_spreads()
@@ -556,6 +605,10 @@ def main(argv=None) -> int:
         print(f"pooled over the simple contrasts: sd {pooled['sd']:.3f}, detectable at 30 seeds "
               f"{pooled['detectable_uncorrected']:.3f}, {pooled['detectable_at_holms_strictest_step']:.3f} at Holm's strictest step")
         return 0
+    if what == "redraw":
+        plot_power(read_json(POWER_JSON))
+        print(POWER_PNG)
+        return 0
     from transformers.utils import logging as hf_logging
     hf_logging.disable_progress_bar()
     if what == "design":
@@ -566,11 +619,12 @@ def main(argv=None) -> int:
         return 0
     record = figures_power()
     write_result(POWER_JSON, record, "python studies/power.py figures", record["figures_power_seconds"])
+    plot_power(record)
     for name, v in record["contrasts"].items():
         lo, hi = v["ci95"]
         print(f"{name:24s} {v['mean_difference']:+.3f} [{lo:+.3f}, {hi:+.3f}] {v['positive']}+ {v['negative']}- "
               f"p {v['p']:.3g} | {v['verdict']}")
-    print(POWER_JSON)
+    print(POWER_JSON, POWER_PNG)
     return 0
 
 
