@@ -192,6 +192,7 @@ CONTRASTS = {
                               "does the heteroscedastic synthetic record cost GSPO what the real one does"),
 }
 EQUIVALENCE_ASKED = ("(h - a32) - (c - a16)", "(i - a32) - (c - a16)")
+PRIMARY = [n for n, (family, _, _) in CONTRASTS.items() if family == "primary"]   # Holm's family
 
 # Each contrast's paired spread before any run: the committed runs nearest to its arms, from the same
 # warm-ups (make figures-map's, seeds 0-4) with the same RL seed, as (sign, (file, cell, loss)).
@@ -273,13 +274,12 @@ def design_effects(n: int) -> dict:
     for the primary family also at Holm's strictest step, 0.05/9); for the interactions the
     equivalence margin a test at n seeds would need (EQUIVALENCE_NOTE)."""
     cache: dict = {}
-    m = sum(1 for f, _, _ in CONTRASTS.values() if f == "primary")
     out = {}
     for name, (family, _, _) in CONTRASTS.items():
         p = proxy_spread(name, cache)
         row = {"proxy": p, "detectable_uncorrected": detectable_effect(p["sd"], n)}
         if family == "primary":
-            row["detectable_at_holms_strictest_step"] = detectable_effect(p["sd"], n, ALPHA / m)
+            row["detectable_at_holms_strictest_step"] = detectable_effect(p["sd"], n, ALPHA / len(PRIMARY))
         if name in EQUIVALENCE_ASKED:
             row["equivalence_margin_needed"] = (normal_quantile(1 - ALPHA) + normal_quantile(1 - (1 - POWER) / 2)) * p["sd"] / math.sqrt(n)
         out[name] = row
@@ -292,9 +292,8 @@ def pooled_effect(effects: dict, n: int) -> dict:
     strictest step. A steadier figure than any one proxy's."""
     simple = [n_ for n_, (_, terms, _) in CONTRASTS.items() if len(terms) == 2]
     sd = math.sqrt(statistics.fmean(effects[c]["proxy"]["sd"] ** 2 for c in simple))
-    m = sum(1 for f, _, _ in CONTRASTS.values() if f == "primary")
     return {"contrasts": simple, "sd": sd, "detectable_uncorrected": detectable_effect(sd, n),
-            "detectable_at_holms_strictest_step": detectable_effect(sd, n, ALPHA / m)}
+            "detectable_at_holms_strictest_step": detectable_effect(sd, n, ALPHA / len(PRIMARY))}
 
 
 def values_read() -> dict:
@@ -348,7 +347,6 @@ def static_design() -> dict:
     from studies import engine
     from studies import map as regimes
     values = values_read()
-    m = sum(1 for f, _, _ in CONTRASTS.values() if f == "primary")
     return {"task": "add2", "model": "dense", "steps": engine.em_steps("dense"), "seeds_planned": list(SEEDS),
             "warmups": "make figures-map's dense warm-up of each seed (runs/map/warmup_dense_s<seed>: python "
                        "studies/map.py _warmup dense SEED), made where missing; every arm of a seed starts from "
@@ -357,8 +355,8 @@ def static_design() -> dict:
                          "sampler": "bfloat16" if "--sampler-dtype" in flags else "float32"}
                      for a, (loss, what, flags) in ARMS.items()},
             "contrasts": {n: {"family": f, "terms": t, "question": q} for n, (f, t, q) in CONTRASTS.items()},
-            "primary_family": [n for n, (f, _, _) in CONTRASTS.items() if f == "primary"],
-            "correction": f"Holm's step-down over the {m} primary contrasts at {ALPHA}", "test": TEST_RULE,
+            "primary_family": PRIMARY,
+            "correction": f"Holm's step-down over the {len(PRIMARY)} primary contrasts at {ALPHA}", "test": TEST_RULE,
             "missing_data_rule": SCORE_RULE, "collapse": regimes.COLLAPSE,
             "outcomes": {"primary": "accuracy_after_rl (test set, the final model)",
                          "secondary": [f"reward_last_{LAST_STEPS}: the mean rollout reward over the last {LAST_STEPS} RL steps",
