@@ -1,6 +1,23 @@
 """Hypothesis profiles and the fixtures several test files share: the one tiny training run, a tiny
 addwork run, an in-process BPE tokenizer with a tiny Llama for it, and the studies as they were
-before their split into studies/ (the golden tests compare the two)."""
+before their split into studies/ (the golden tests compare the two).
+
+What a test may assert exactly, and what needs a tolerance. The suite runs on CPUs whose kernels
+round differently (AMD and Intel, AVX2 and AVX-512, Intel's AMX tiles and native fp16), and CI
+reaches only some of them, so a test must hold by construction, not by trying:
+- Exactly (==, torch.equal): what one kernel computes in one process, compared with itself: the
+  same function on the same inputs, shapes and dtype, twice (a run repeated from its seed, the lab
+  against the minimal script at its defaults, a golden comparison with older code run beside it);
+  integers and counts; values fixed by construction (an exact 0 from equal operands, a clamp's bound).
+- Within a tolerance: anything two kernels, two dtypes, two batch shapes or two hosts compute (a
+  bf16 or fp16 copy against float32, a cached decode against a full pass, a number recomputed here
+  against one committed from another machine). The tolerance is derived from the dtype's resolution
+  (float32 1.2e-7, bf16 7.8e-3, fp16 9.8e-4, float64 2.2e-16, per unit of the values it rounds) and
+  the size of the computation (how many terms, of what magnitude), and the test says so beside it.
+- Never a strict sign (> 0, < 0) of a quantity that can be zero up to round-off: assert >= 0 where
+  the value is non-negative by construction, and > 0 only where it is orders above its resolution
+  (a sharpened model, a known gap), never on a clamped value.
+- No thresholds on wall time."""
 import functools
 import json
 import os

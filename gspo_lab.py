@@ -721,24 +721,35 @@ def engine_differs(cfg: Config) -> bool:
     return cfg.sampler_dtype != "float32" or cfg.top_p < 1 or bool(cfg.record_noise or cfg.record_bins)
 
 
-KL_ELEMENTS = 2 ** 22      # logits per piece of `engine_kl_tokens`: 16 MiB in float32, any vocabulary
+KL_ELEMENTS = 2 ** 22      # logits per piece of `engine_kl_tokens`: 32 MiB in float64, any vocabulary
 
 
 # The engine gap, exactly: at each position the sampler draws from q_t, the trainer holds p_t, and
 #   KL(q_t || p_t) = sum_v q_t(v) (log q_t(v) - log p_t(v)) >= 0     over the whole vocabulary.
 # The sampled token's gap d_t = log p_t(y_t) - log q_t(y_t) has mean E_q[d_t] = -KL(q_t || p_t): a
 # sampler that differs from the trainer biases log s downwards, by the mean KL at a fixed length.
-def token_kl(logq: torch.Tensor, logp: torch.Tensor) -> torch.Tensor:
-    """(..., V) log q and log p -> (...,) KL(q || p); tokens outside q's support (log q = -inf, a
-    nucleus's) add nothing."""
-    return torch.where(logq > -float("inf"), logq.exp() * (logq - logp), 0.0).sum(-1)
+# Written with r = p/q on the tokens S the sampler can draw (all of them, or a nucleus),
+#   KL(q_t || p_t) = sum_{v in S} q (r - 1 - log r) + (1 - sum_{v in S} p),
+# a sum of terms each >= 0 (r - 1 >= log r) plus the trainer's mass outside S. Near-equal models
+# have KLs far below float32's resolution (1.2e-7 per term), where q (log q - log p) summed in
+# float32 lands on either side of zero by the CPU's round-off; this form, in float64, cannot.
+def token_kl(sampler_logits: torch.Tensor, trainer_logits: torch.Tensor, temperature: float,
+             top_p: float = 1.0) -> torch.Tensor:
+    """(..., V) logits of the sampler and of the trainer -> (...,) KL(q || p) in float64, q the
+    distribution the sampler draws from (its nucleus under `top_p`, `nucleus_logprobs`), p the
+    trainer's softmax, both of logits / temperature. Never negative, and exactly 0 for equal logits."""
+    inside = nucleus_logprobs(sampler_logits, temperature, top_p) > -float("inf")     # (..., V): S
+    logq = torch.log_softmax((sampler_logits.double() / temperature).masked_fill(~inside, -float("inf")), -1)
+    logp = torch.log_softmax(trainer_logits.double() / temperature, dim=-1)
+    log_r = torch.where(inside, logp - logq, 0.0)                  # 0 outside S, where q = 0
+    return (logq.exp() * (torch.expm1(log_r) - log_r)).sum(-1) + torch.where(inside, 0.0, logp.exp()).sum(-1)
 
 
 @torch.no_grad()
 def engine_kl_tokens(sampler, trainer, batch: dict, cfg: Config) -> float:
     """Mean KL(sampler || trainer) per completion token over a minibatch's worth of the rollout (its
-    first B / minibatches rows, whole groups), at theta_old. The sampler's q is `nucleus_logprobs` of
-    its logits from one full pass over the sampled tokens (the record came from its token-by-token
+    first B / minibatches rows, whole groups), at theta_old, `token_kl` in float64. The sampler's
+    logits come from one full pass over the sampled tokens (the record came from its token-by-token
     pass with a KV cache, which in bf16 differs in the last bits); pieces of rows hold at most
     KL_ELEMENTS logits, so a real vocabulary stays small."""
     G = cfg.group_size
@@ -748,9 +759,8 @@ def engine_kl_tokens(sampler, trainer, batch: dict, cfg: Config) -> float:
     total, count = 0.0, 0
     for i in range(0, n, step):
         args = [batch[k][i:min(i + step, n)] for k in ("prompt_ids", "prompt_mask", "completions")]
-        logq = nucleus_logprobs(completion_logits(sampler, *args), cfg.temperature, cfg.top_p)  # (b, T, V)
-        logp = torch.log_softmax(completion_logits(trainer, *args).float() / cfg.temperature, dim=-1)
-        kl = token_kl(logq, logp)                                                                # (b, T)
+        kl = token_kl(completion_logits(sampler, *args), completion_logits(trainer, *args),  # (b, T, V) each
+                      cfg.temperature, cfg.top_p)                                           # (b, T)
         keep = batch["mask"][i:min(i + step, n)] != 0
         total, count = total + kl[keep].sum().item(), count + keep.sum().item()
     return total / max(count, 1)

@@ -127,7 +127,7 @@ def paired_decode(sampler, trainer, prompt_ids, prompt_mask, length: int, eos_id
         pick = nxt[:, None]
         picked = logq.gather(-1, pick)                                           # (B, 1): the record
         d.append((logp.gather(-1, pick) - picked).squeeze(-1).double())
-        k.append(g.token_kl(logq, logp).double())
+        k.append(g.token_kl(logits[0], logits[1], temperature, top_p))
         alive.append(~done)
         tokens.append(nxt)
         record.append(picked.squeeze(-1).double())
