@@ -16,6 +16,8 @@ from unittest import mock
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 import gspo_lab as g
 import gspo_minimal as minimal
@@ -3028,6 +3030,64 @@ def test_the_sign_flip_test_is_exact_for_few_seeds_and_holm_steps_down():
     assert lo < 0.2 < hi
 
 
+def brute_force_p(ks: list[int]) -> float:
+    """The sign-flip p by brute force, in integers: every one of the 2^n patterns, ties counted."""
+    observed = abs(sum(ks))
+    return sum(abs(sum(k if (m >> i) & 1 else -k for i, k in enumerate(ks))) >= observed
+               for m in range(2 ** len(ks))) / 2 ** len(ks)
+
+
+@given(st.lists(st.integers(-12, 12), min_size=1, max_size=11))
+def test_the_exact_sign_flip_p_is_the_brute_force_count_on_and_off_the_grid(ks):
+    """exact_sign_flip_p against brute force over every pattern, in integers: on the grid (each
+    difference k/500, an accuracy difference on 500 problems; ties at the observed sum, zeros and
+    negative sums among the examples) by dynamic programming, off it (each k/500 + 1e-4/7) by
+    enumeration, and the same p for -d as for d."""
+    diffs = [k / 500 for k in ks]
+    p, how = common.exact_sign_flip_p(diffs, grid=500)
+    assert p == brute_force_p(ks) and how.startswith("exact: dynamic programming")
+    assert common.exact_sign_flip_p([-d for d in diffs], grid=500)[0] == p
+    off = [(140 * k + 1) / 70_000 for k in ks]                  # k/500 + 1/70,000: off the grid of 1/500
+    p_off, how_off = common.exact_sign_flip_p(off, grid=500)
+    assert how_off.startswith("exact: all") and p_off == brute_force_p([140 * k + 1 for k in ks])
+
+
+def test_the_exact_sign_flip_p_at_its_corners():
+    """Ties at the observed sum count as extreme, zero differences double every count, a zero sum
+    gives 1; beyond 20 differences off the grid the p is a Monte Carlo estimate and says so."""
+    assert common.exact_sign_flip_p([0.002, 0.002, -0.004], grid=500)[0] == 1.0      # sum 0
+    assert common.exact_sign_flip_p([0.002, 0.002, -0.002, 0.002], grid=500)[0] == 10 / 16   # 8 patterns tie at |2|
+    assert common.exact_sign_flip_p([0.0, 0.0, 0.002], grid=500)[0] == 1.0
+    assert common.exact_sign_flip_p([0.0] * 3 + [0.002] * 4, grid=500)[0] == 2 / 16  # the zeros change nothing
+    assert common.exact_sign_flip_p([0.002] * 30, grid=500)[0] == 2 / 2 ** 30        # exact far beyond enumeration
+    p, how = common.exact_sign_flip_p([0.1 + 1e-4 * i / 3 for i in range(25)], grid=500, flips=2000, seed=1)
+    assert how.startswith("Monte Carlo, not exact") and p == 1 / 2001
+    assert common.on_grid([0.002, 0.1 + 1e-9], 500) == [1, 50] and common.on_grid([0.0021], 500) is None
+
+
+def test_the_exact_pass_adds_p_exact_and_holms_verdict_on_it_and_keeps_the_designs(tmp_path):
+    """studies/power.py exact on a copy of the committed record: every contrast gains p_exact (the
+    brute-force count where n is small enough to check) and the primary family called_exact from
+    Holm's step-down on them; p, called, verdict and the design are left as they were."""
+    from studies import power
+    rec = common.read_json(power.POWER_JSON)
+    before = json.loads(json.dumps(rec))
+    for v in rec["contrasts"].values():                 # 12 seeds: brute force stays quick
+        v["differences_by_seed"] = v["differences_by_seed"][:12]
+    rec = power.add_exact(rec)
+    for name, v in rec["contrasts"].items():
+        ks = [round(d * 500) for d in v["differences_by_seed"]]
+        assert v["p_exact"] == brute_force_p(ks), name
+        for key in ("p", "called", "verdict", "ci95", "mean_difference"):
+            assert v[key] == before["contrasts"][name][key]
+    primary = {n: v["p_exact"] for n, v in rec["contrasts"].items() if v["family"] == "primary"}
+    assert {n: rec["contrasts"][n]["called_exact"] for n in primary} == power.holm(primary)
+    assert all(v["called_exact"] is None for v in rec["contrasts"].values() if v["family"] != "primary")
+    assert rec["design"] == before["design"] and rec["exact_p"]["command"] == "python studies/power.py exact"
+    assert power.test_size_of(rec["runs"]) == 500 == g.Config().test_size
+    assert power.test_size_of([{"command": "python gspo_lab.py --test-size 40"}]) == 40
+
+
 def test_the_analysis_finds_a_known_difference_and_not_a_null_at_the_stated_rates():
     """Simulated paired differences at 30 seeds, spread 0.14 (the committed cells' order): with no
     difference the test calls at about its 5%; with a mean of 0.09, above the 0.072 it can detect at
@@ -3048,7 +3108,7 @@ def test_the_analysis_finds_a_known_difference_and_not_a_null_at_the_stated_rate
 
 
 def test_the_power_studys_arms_take_their_values_from_the_committed_files_and_compared_arms_share_a_sampler():
-    """The design as the issue fixes it: eleven arms, the same RL seed in every arm of a seed, FSPO's
+    """The design: eleven arms, the same RL seed in every arm of a seed, FSPO's
     C = 1.96 SIGMA-hat, the synthetic records at the calibration's K-hat and SIGMA-hat and at the bins'
     flag, the fixed band from engine.json; nine primary contrasts; every contrast balanced (its signs sum
     to 0) and, but bf16 sampling alone (a16 - a32), between arms that sample in the same dtype."""
@@ -3147,7 +3207,12 @@ def test_the_committed_power_json_holds_the_codes_design_and_its_contrasts_recom
         assert rec["contrasts"] == {} and rec["arms"] == {}
         return
     arms, out = power.analysis(d, rec["runs"])
-    assert json.loads(json.dumps(out, allow_nan=False)) == rec["contrasts"] and json.loads(json.dumps(arms, allow_nan=False)) == rec["arms"]
+    exact = ("p_exact", "p_exact_method", "called_exact", "holm_threshold_exact")    # `exact`'s, after the runs
+    as_analysed = {n: {k: x for k, x in v.items() if k not in exact} for n, v in rec["contrasts"].items()}
+    assert json.loads(json.dumps(out, allow_nan=False)) == as_analysed and json.loads(json.dumps(arms, allow_nan=False)) == rec["arms"]
+    if "exact_p" in rec:
+        again = power.add_exact({**rec, "contrasts": out})["contrasts"]
+        assert {n: {k: v[k] for k in exact} for n, v in again.items()} == {n: {k: v[k] for k in exact} for n, v in rec["contrasts"].items()}
 
 
 # --- make mechanism-smollm2: the lens's prediction and the scoring (studies/smollm2_step.py) ---------

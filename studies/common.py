@@ -506,6 +506,59 @@ def paired_differences(a: dict, b: dict, keys) -> list[float]:
     return [a[k] - b[k] for k in keys if k in a and k in b]
 
 
+# The sign-flip permutation test of a mean paired difference, exactly. Under the null each seed's
+# difference is as likely to carry either sign, so the 2^n sign patterns are equally likely and
+#   p = #{patterns e in {-1, +1}^n : |sum_i e_i d_i| >= |sum_i d_i|} / 2^n      (two-sided, ties count).
+# Where every d_i is a multiple of 1/grid (test accuracies on `grid` problems, and sums of them), the
+# integer sums k_i = d_i * grid make the count a small dynamic programme over the totals reachable;
+# otherwise all 2^n patterns are enumerated while n is small, and beyond that only sampled.
+EXACT_ENUMERATE_UP_TO = 20
+
+
+def on_grid(diffs: list[float], grid: int | None) -> list[int] | None:
+    """The integers k_i = d_i * grid when every difference is one (within 1e-6 of a step: float sums
+    of accuracies keep about 1e-15), else None."""
+    if not grid:
+        return None
+    ks = [round(d * grid) for d in diffs]
+    return ks if all(abs(d * grid - k) <= 1e-6 for d, k in zip(diffs, ks)) else None
+
+
+def sign_flip_counts(ks: list[int]) -> dict[int, int]:
+    """{total: number of sign patterns e with sum_i e_i k_i = total}, over all 2^n patterns."""
+    counts = {0: 1}
+    for k in ks:
+        nxt: dict[int, int] = {}
+        for total, c in counts.items():
+            for t in (total + k, total - k):
+                nxt[t] = nxt.get(t, 0) + c
+        counts = nxt
+    return counts
+
+
+def exact_sign_flip_p(diffs: list[float], grid: int | None = None, flips: int = 10_000,
+                      seed: int = 0) -> tuple[float, str]:
+    """(two-sided p, how it was computed) of the sign-flip test of mean(diffs): exact by dynamic
+    programming over integer sums when every difference is a multiple of 1/grid; exact by
+    enumeration up to EXACT_ENUMERATE_UP_TO differences; else `flips` random patterns from `seed`
+    (plus the observed one), which is an estimate and says so."""
+    n = len(diffs)
+    ks = on_grid(diffs, grid)
+    if ks is not None:
+        observed = abs(sum(ks))
+        extreme = sum(c for total, c in sign_flip_counts(ks).items() if abs(total) >= observed)
+        return extreme / 2 ** n, f"exact: dynamic programming over integer sums (every difference a multiple of 1/{grid})"
+    import numpy as np
+    d = np.asarray(diffs, dtype=np.float64)
+    observed = abs(d.sum()) - 1e-12 * max(1.0, np.abs(d).sum())     # ties count as extreme
+    if n <= EXACT_ENUMERATE_UP_TO:
+        signs = 1 - 2 * ((np.arange(2 ** n)[:, None] >> np.arange(n)) & 1)          # every pattern
+        return float((np.abs(signs @ d) >= observed).mean()), f"exact: all 2^{n} sign patterns enumerated"
+    signs = np.random.default_rng(seed).choice([-1.0, 1.0], size=(flips, n))
+    return (float(((np.abs(signs @ d) >= observed).sum() + 1) / (flips + 1)),
+            f"Monte Carlo, not exact: {flips:,} random sign patterns (seed {seed}) and the observed one")
+
+
 def common_sign(diffs: list[float]) -> int:
     """+1 when every difference is positive, -1 when every one is negative, else 0 (a zero breaks it)."""
     if diffs and all(d > 0 for d in diffs):

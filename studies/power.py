@@ -6,6 +6,8 @@
                                       # a time), then the design and its projection: figures/power.json
     python studies/power.py figures   # make figures-power: the warm-ups and runs of seeds 100-129
                                       # (resumable, two at a time), then every contrast and its plot
+    python studies/power.py exact     # after the runs: each contrast's exact sign-flip p beside the
+                                      # design's estimate, and Holm's verdict on the exact values
     python studies/power.py redraw    # figures/power.png from figures/power.json (seconds)
 
 The question: GSPO fell behind GRPO when pi_old came from a bf16 sampler's record, on add2 at five
@@ -20,7 +22,8 @@ The analysis, fixed and tested before any run:
     (c - a16) - (d - b16) is a difference of two such differences, seed by seed);
   * its test is a paired sign-flip permutation test of the mean difference (exact up to 2^16 sign
     patterns, else 10,000 random flips from a fixed seed), robust to the heavy tails that collapsed
-    runs give; its interval a bootstrap 95% interval of the mean over seeds;
+    runs give; its interval a bootstrap 95% interval of the mean over seeds (`exact`, added after
+    the runs, gives every contrast's p over all 2^30 patterns beside the design's estimate);
   * the detectable effect at 80% power of a paired test at n seeds, for a paired spread sd:
     (z(1 - alpha/2) + z(0.8)) sd / sqrt(n), at alpha = 0.05 and, for the strictest Holm step, 0.05/9,
     each contrast's sd read from the committed runs nearest to it (PROXIES) before any new run;
@@ -38,8 +41,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # gspo_minimal, studies
 
-from studies.common import (Ledger, Parser, cli, fail, paired_differences, read_json, run_jobs,  # noqa: E402
-                            script_job, write_json, write_result)
+from studies.common import (Ledger, Parser, cli, exact_sign_flip_p, fail, paired_differences,  # noqa: E402
+                            read_json, rewrite_json, run_jobs, script_job, write_json, write_result)
 
 OUTPUTS = ("figures/power.json", "figures/power.png")
 POWER_PNG = "figures/power.png"
@@ -439,6 +442,8 @@ def write_design() -> dict:
         if {k: v for k, v in old["design"].items() if k not in ("seeds", "detectable_effect")} != json.loads(json.dumps(static, allow_nan=False)):
             fail(f"{POWER_JSON} holds another design than the code's; move it away to write this one")
         return old
+    import time
+    t0 = time.perf_counter()
     proto = prototype(static)
     proj = projection(proto, len(ARMS))
     if proj["seeds_kept"] < 2:
@@ -449,7 +454,7 @@ def write_design() -> dict:
               "detectable_effect": {"seeds": n, "by_contrast": effects, "pooled": pooled_effect(effects, n)}}
     record = {"figures_power_seconds": 0.0, "design": design, "prototype": proto, "projection": proj,
               "runs": [], "arms": {}, "contrasts": {}}
-    write_json(POWER_JSON, record, "python studies/power.py design", 0.0)
+    write_json(POWER_JSON, record, "python studies/power.py design", time.perf_counter() - t0)
     return record
 
 
@@ -538,6 +543,52 @@ def figures_power() -> dict:
     return record
 
 
+# ---------------------------------------------------------------------------------------------
+# After the runs: the exact p of every contrast, beside the design's Monte Carlo estimate
+# ---------------------------------------------------------------------------------------------
+EXACT_COMMAND = "python studies/power.py exact"
+
+
+def test_size_of(runs: list[dict]) -> int:
+    """The number of test problems every run was scored on (its --test-size, else the lab's default):
+    each score is a multiple of 1/that, and so is each contrast's difference."""
+    import gspo_lab as lab
+    sizes = set()
+    for r in runs:
+        words = r["command"].split()
+        sizes.add(int(words[words.index("--test-size") + 1]) if "--test-size" in words else lab.Config().test_size)
+    if len(sizes) != 1:
+        fail(f"the runs were scored on test sets of {sorted(sizes)} problems: no one grid for the exact p")
+    return sizes.pop()
+
+
+def add_exact(record: dict) -> dict:
+    """record with each contrast's `p_exact` and `p_exact_method` (exact_sign_flip_p on its
+    differences, the grid 1/test size read from the runs), the primary family's `called_exact` from
+    Holm's step-down on the exact values and `holm_threshold_exact` (alpha over the contrasts left at
+    its step), and `exact_p`: this pass's provenance. The design, `p`, `called` and `verdict` stay as
+    the runs' analysis wrote them."""
+    import gspo_minimal as g
+    import time
+    t0 = time.perf_counter()
+    contrasts = record["contrasts"]
+    grid = test_size_of([r for r in record["runs"] if r["seed"] in next(iter(contrasts.values()))["seeds"]])
+    for v in contrasts.values():
+        v["p_exact"], v["p_exact_method"] = exact_sign_flip_p(v["differences_by_seed"], grid, FLIPS, SEED)
+    primary = {n: v["p_exact"] for n, v in contrasts.items() if v["family"] == "primary"}
+    order = sorted(primary, key=primary.get)
+    for n, is_called in holm(primary).items():
+        contrasts[n]["called_exact"] = is_called
+        contrasts[n]["holm_threshold_exact"] = ALPHA / (len(order) - order.index(n))
+    for v in contrasts.values():
+        v.setdefault("called_exact", None)
+    record["exact_p"] = {**g.provenance(EXACT_COMMAND, time.perf_counter() - t0, g.tree_state([POWER_JSON])),
+                         "grid": f"1/{grid}: every run scored on {grid} test problems",
+                         "when": "after the runs: the design fixed 10,000 random flips (p, called); p_exact and "
+                                 "called_exact are computed from the same differences by `exact`"}
+    return record
+
+
 def plot_power(record: dict, path: str = POWER_PNG) -> None:
     """Left, each arm's test accuracy after RL, one dot per seed (x: a collapsed run), its median a
     bar; right, each contrast's mean paired difference with its bootstrap 95% interval, the primary
@@ -571,8 +622,9 @@ def plot_power(record: dict, path: str = POWER_PNG) -> None:
         color = "C0" if primary else "0.5"
         right.plot([lo, hi], [y, y], color=color, lw=2)
         right.plot([v["mean_difference"]], [y], "o", color=color, mfc=color if v["called"] else "white", ms=7)
-        right.annotate(f"{v['positive']}+ {v['negative']}-  p {v['p']:.2g}", (1.01, y), xycoords=("axes fraction", "data"),
-                       va="center", fontsize=8)
+        exact = f", exact {v['p_exact']:.2g}" if "p_exact" in v else ""
+        right.annotate(f"{v['positive']}+ {v['negative']}-  p {v['p']:.2g}{exact}", (1.01, y),
+                       xycoords=("axes fraction", "data"), va="center", fontsize=8)
     right.axvline(0, color="k", lw=0.8)
     right.set_yticks(range(len(names)), [n + ("" if contrasts[n]["family"] == "primary" else " (2nd)") for n in names])
     right.invert_yaxis()
@@ -588,7 +640,7 @@ def plot_power(record: dict, path: str = POWER_PNG) -> None:
 @cli
 def main(argv=None) -> int:
     parser = Parser(description=__doc__.splitlines()[0])
-    parser.add_argument("what", choices=["effects", "design", "figures", "redraw"])
+    parser.add_argument("what", choices=["effects", "design", "figures", "exact", "redraw"])
     what = parser.parse_args(argv).what
     if what == "effects":
         spreads = committed_paired_spreads()
@@ -602,6 +654,18 @@ def main(argv=None) -> int:
         pooled = pooled_effect(design_effects(len(SEEDS)), len(SEEDS))
         print(f"pooled over the simple contrasts: sd {pooled['sd']:.3f}, detectable at 30 seeds "
               f"{pooled['detectable_uncorrected']:.3f}, {pooled['detectable_at_holms_strictest_step']:.3f} at Holm's strictest step")
+        return 0
+    if what == "exact":
+        record = read_json(POWER_JSON)
+        if not record["runs"]:
+            fail(f"{POWER_JSON} holds no runs yet: make figures-power first")
+        rewrite_json(POWER_JSON, add_exact(record))
+        plot_power(record)
+        for name, v in record["contrasts"].items():
+            edge = f" (Holm's step {v['holm_threshold_exact']:.3g})" if v["family"] == "primary" else ""
+            print(f"{name:24s} p {v['p']:.4g}, exact {v['p_exact']:.6g}{edge} | design: {v['called']}, "
+                  f"exact: {v['called_exact']}")
+        print(POWER_JSON, POWER_PNG)
         return 0
     if what == "redraw":
         plot_power(read_json(POWER_JSON))
