@@ -563,7 +563,11 @@ def test_the_samplers_record_is_the_trainers_recompute_to_round_off():
     with torch.no_grad():
         trainer = g.group_policy_logprobs(model, b16["prompt_ids"], b16["prompt_mask"], b16["completions"], 4)
     tokens, seqs = g.engine_gap(trainer, b16["sampler_logprobs"], b16["mask"])
-    assert tokens > 1e-4 and 0 < seqs <= tokens             # |mean| <= mean |.|, row by row
+    per_row = g.masked_mean((trainer - b16["sampler_logprobs"]).abs(), b16["mask"]).mean().item()
+    # a bf16 copy's gap is about 1e-3 per token (bf16's 7.8e-3 relative on logits of a few tenths),
+    # ten ulps of float32 above 1e-4 and more; |mean_t d| <= mean_t |d| row by row, so the mean
+    # |log s| is at most the rows' mean of their mean |d| (up to float32 round-off of the two means)
+    assert tokens > 1e-4 and 0 < seqs <= per_row * (1 + 1e-5)
 
 
 def test_sampler_mode_takes_pi_old_from_the_record_and_logs_the_gap():
@@ -668,7 +672,10 @@ def test_a_plain_run_with_pi_old_from_a_bf16_sampler(tmp_path):
     assert len(rl) == 2
     for r in rl:
         assert r["engine_gap_tokens"] > 0 and r["engine_gap_seqs"] > 0
-        assert r["grad_norm"] == 0.0       # no warm-up: no reward yet, every advantage 0, no gradient
+        # no warm-up: almost surely no reward yet; where every group is flat, every advantage is 0 and
+        # so is the gradient, exactly (another CPU's bf16 kernels sample other tokens, so a lucky
+        # right answer is possible: then the gradient is not 0)
+        assert r["grad_norm"] == 0.0 or r["flat_groups"] < 1
         assert len(r["abs_log_s_q"]) == len(r["abs_token_log_ratio_q"]) == 2
 
 

@@ -404,15 +404,17 @@ BAD.update(BAD_NUMBERS)
 
 
 @pytest.mark.parametrize("argv", BAD.values(), ids=BAD.keys())
-def test_bad_input_gets_one_line_and_exit_2(argv, tmp_path, capsys):
+def test_bad_input_gets_one_line_and_exit_2(argv, tmp_path, capsys, monkeypatch):
+    """Refused before any training (train is never called: no wall-clock threshold, which would
+    depend on the host), in one line on stderr, nothing written."""
     out = tmp_path / "never"
-    t0 = time.perf_counter()
+    monkeypatch.setattr(g, "train", lambda *a, **k: pytest.fail("bad input reached train()"))
     code, cap = run_main(argv + ["--out", str(out)], capsys)
     assert code == 2
     lines = cap.err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("gspo_minimal.py: error:"), cap.err
     assert "Traceback" not in cap.err and cap.out == ""
-    assert not out.exists() and time.perf_counter() - t0 < 5
+    assert not out.exists()
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs Linux's /proc, where even root cannot create")
@@ -788,9 +790,13 @@ def test_group_policy_logprobs_match_policy_logprobs_values_and_gradients(length
     a, grads_a = value_and_grads(g.policy_logprobs)
     b, grads_b = value_and_grads(g.group_policy_logprobs, G)   # group_size, positional
     assert a.shape == b.shape == (len(ids), length)
-    assert (a - b).abs().max().item() < 1e-10
-    # transformers' RMSNorm computes in float32 even in a float64 model, and the two paths sum the
-    # G rows' gradients in different orders: they agree to float32 round-off (measured 1.3e-7 relative)
+    # transformers' RMSNorm computes in float32 even in a float64 model: the two paths' float64 sums
+    # differ by about 1e-16, which another CPU's kernels can carry across a float32 rounding boundary
+    # of a normalised activation (one ulp, 6e-8 relative); 1e-6 is about 8 such ulps of a log-prob of
+    # 1 nat and 16 of one of 0.5. Here the values agree to 1e-10 and more.
+    assert (a - b).abs().max().item() < 1e-6
+    # and the two paths sum the G rows' gradients in different orders: they agree to float32
+    # round-off (measured 1.3e-7 relative)
     for ga, gb in zip(grads_a, grads_b):
         assert (ga - gb).abs().max().item() <= 1e-5 * max(1.0, ga.abs().max().item())
 

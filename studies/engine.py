@@ -296,6 +296,58 @@ def prototype_part(name: str, sampler: str, size: dict) -> dict:
             "kl_floor": out["k"].mean().item(), "mean_d": out["d"].mean().item()}
 
 
+# ---------------------------------------------------------------------------------------------
+# The KL's two formulas: make engine's committed numbers came from the float32 one
+# ---------------------------------------------------------------------------------------------
+KL_FORMULAS_JSON = "figures/engine_kl_formulas.json"
+KL_FORMULA_SIZES = {"add2": {"rows": 64, "length": 32}, "addwork": {"rows": 16, "length": 64},
+                    "smollm2": {"rows": 4, "length": 64}}
+
+
+def float32_kl(sampler_logits: torch.Tensor, trainer_logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
+    """The formula engine.json, engine_map.json and the mechanism JSONs were measured with: sum over q's
+    support of q (log q - log p), in float32, which round-off can put on either side of 0."""
+    logq = g.nucleus_logprobs(sampler_logits, temperature, top_p)
+    logp = torch.log_softmax(trainer_logits.float() / temperature, dim=-1)
+    return torch.where(logq > -math.inf, logq.exp() * (logq - logp), 0.0).sum(-1)
+
+
+def kl_formulas(name: str) -> dict:
+    """Per sampler, on the logits of one model's decoded tokens (make engine's decoding, EOS allowed in
+    a full pass of both models): the mean KL per token by token_kl (float64, term by term >= 0) and by
+    the float32 formula, their largest difference at a token and the tokens where the float32 one is < 0."""
+    rng = random.Random(0)
+    torch.manual_seed(0)
+    size = KL_FORMULA_SIZES[name]
+    model, tok, ids, attn, room = model_and_prompts(name, size["rows"], rng)
+    out = {}
+    for sampler, (dtype, top_p) in SAMPLERS.items():
+        copy = sampler_of(model, dtype)
+        dec = paired_decode(copy, model, ids, attn, min(size["length"], room), tok.eos_token_id, top_p=top_p)
+        with torch.no_grad():
+            logits = [g.completion_logits(m, ids, attn, dec["tokens"]) for m in (copy, model)]   # (B, L, V) each
+        exact, old = g.token_kl(*logits, 1.0, top_p), float32_kl(*logits, 1.0, top_p).double()  # (B, L) each
+        diff = (old - exact).abs()
+        out[sampler] = {"tokens": exact.numel(), "mean_kl_float64": exact.mean().item(),
+                        "mean_kl_float32": old.mean().item(),
+                        "relative_difference_of_means": abs(old.mean().item() - exact.mean().item()) / exact.mean().item(),
+                        "max_abs_difference_per_token": diff.max().item(),
+                        "mean_abs_difference_per_token": diff.mean().item(),
+                        "float32_negative_tokens": int((old < 0).sum()), "float64_negative_tokens": int((exact < 0).sum())}
+    return out
+
+
+def write_kl_formulas(models: list[str]) -> dict:
+    """KL_FORMULAS_JSON with `models`' entries (re)made, the others kept: SmolLM2's runs in its own venv."""
+    t0 = time.perf_counter()
+    record = read_json(KL_FORMULAS_JSON) if os.path.exists(KL_FORMULAS_JSON) else {"models": {}}
+    for name in models:
+        record["models"][name] = {**kl_formulas(name), "size": KL_FORMULA_SIZES[name]}
+    write_result(KL_FORMULAS_JSON, record, "python studies/engine.py kl-formulas --models " + ",".join(models),
+                 time.perf_counter() - t0)
+    return record
+
+
 def prototype(models: list[str]) -> dict:
     """Each model and sampler a kept part (runs/engine/prototype/, with its own host and peak
     memory: SmolLM2's parts run in .venv-pretrained, the tiny models' in .venv, where their
@@ -923,11 +975,13 @@ def main(argv=None) -> int:
         return drop_run(argv[1], float(argv[2]), argv[3:])
     parser = Parser(description=__doc__.splitlines()[0])
     parser.add_argument("what", nargs="?", default=None,
-                        choices=["prototype", "measure", "redraw", "figures", "figures-design", "geo-check"],
+                        choices=["prototype", "measure", "redraw", "figures", "figures-design", "geo-check",
+                                 "kl-formulas"],
                         help="prototype: figures/engine_prototype.json; measure: only the parts of --models, "
                              "in this interpreter; redraw: engine.png from engine.json; none: make engine; "
                              "figures: make figures-engine; figures-design: its design into engine_map.json; "
-                             "geo-check: after figures-engine, the geometric mask's collapse checked")
+                             "geo-check: after figures-engine, the geometric mask's collapse checked; "
+                             "kl-formulas: the KL by token_kl against the float32 formula of the committed JSONs")
     parser.add_argument("--confirm", action="store_true", help="figures: the confirmation (CONFIRM=1)")
     parser.add_argument("--models", default="add2,addwork,smollm2", help="comma-separated: add2, addwork, smollm2")
     parser.add_argument("--part", default=None, help="measure: only this SAMPLER:VIEW (make engine's SmolLM2 children)")
@@ -946,6 +1000,13 @@ def main(argv=None) -> int:
         return 0
     if args.what == "geo-check":
         geo_check()
+        return 0
+    if args.what == "kl-formulas":
+        for name, by in write_kl_formulas(models)["models"].items():
+            for sampler, r in by.items():
+                if sampler != "size":
+                    print(f"{name} {sampler}: K {r['mean_kl_float64']:.4g} (float64) against {r['mean_kl_float32']:.4g} "
+                          f"(float32), at most {r['max_abs_difference_per_token']:.2g} apart at a token")
         return 0
     t0 = time.perf_counter()
     if args.what == "prototype":
