@@ -2072,7 +2072,8 @@ def test_kl_formulas_sets_the_float64_kl_beside_the_float32_one_and_keeps_other_
     monkeypatch.setattr(engine, "KL_FORMULAS_JSON", str(tmp_path / "kl.json"))
     (tmp_path / "kl.json").write_text(json.dumps({"models": {"smollm2": {"kept": True}}}))
     record = engine.write_kl_formulas(["add2"])
-    assert record["models"]["smollm2"] == {"kept": True} and set(record["models"]["add2"]) == set(engine.SAMPLERS) | {"size"}
+    assert record["models"]["smollm2"] == {"kept": True}
+    assert set(record["models"]["add2"]) == set(engine.SAMPLERS) | {"size", "command", "measured_at_commit"}
     for sampler in engine.SAMPLERS:
         r = record["models"]["add2"][sampler]
         assert r["tokens"] == 8 * 8 and r["float64_negative_tokens"] == 0 and r["mean_kl_float64"] > 0

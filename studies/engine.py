@@ -341,10 +341,11 @@ def write_kl_formulas(models: list[str]) -> dict:
     """KL_FORMULAS_JSON with `models`' entries (re)made, the others kept: SmolLM2's runs in its own venv."""
     t0 = time.perf_counter()
     record = read_json(KL_FORMULAS_JSON) if os.path.exists(KL_FORMULAS_JSON) else {"models": {}}
-    for name in models:
-        record["models"][name] = {**kl_formulas(name), "size": KL_FORMULA_SIZES[name]}
-    write_result(KL_FORMULAS_JSON, record, "python studies/engine.py kl-formulas --models " + ",".join(models),
-                 time.perf_counter() - t0)
+    command = "python studies/engine.py kl-formulas --models " + ",".join(models)
+    for name in models:                 # each model's entry names the invocation that made it
+        record["models"][name] = {**kl_formulas(name), "size": KL_FORMULA_SIZES[name], "command": command,
+                                  "measured_at_commit": g.tree_state([KL_FORMULAS_JSON])["measured_at_commit"]}
+    write_result(KL_FORMULAS_JSON, record, command, time.perf_counter() - t0)
     return record
 
 
@@ -1004,7 +1005,7 @@ def main(argv=None) -> int:
     if args.what == "kl-formulas":
         for name, by in write_kl_formulas(models)["models"].items():
             for sampler, r in by.items():
-                if sampler != "size":
+                if sampler in SAMPLERS:
                     print(f"{name} {sampler}: K {r['mean_kl_float64']:.4g} (float64) against {r['mean_kl_float32']:.4g} "
                           f"(float32), at most {r['max_abs_difference_per_token']:.2g} apart at a token")
         return 0
