@@ -93,7 +93,10 @@ def test_grouped_log_probs_equal_one_pass_per_row(smollm):
     with torch.no_grad():
         plain = g.policy_logprobs(model, ids, attn, comp)
         grouped = g.group_policy_logprobs(model, ids, attn, comp, G)
-    assert (plain - grouped).abs().max().item() < 1e-4             # float32, two summation orders
+    # float32 through 30 layers whose GEMMs sum in another order (another batch shape, and on another
+    # CPU other kernels): measured here 2.4e-5 at a log-prob of 14.8 nats, about 25 float32 ulps
+    # (9.5e-7 there); the bound, 2e-5 (1 + |log p|), is about 300 such ulps at 15 nats
+    assert ((plain - grouped).abs() <= 2e-5 * (1 + plain.abs())).all()
 
 
 def test_a_checkpoint_reloads_with_the_auto_classes(smollm, tmp_path):
