@@ -64,6 +64,19 @@ def pytest_sessionfinish(session, exitstatus):
         session.exitstatus = 1
 
 
+@pytest.fixture(autouse=True)
+def _no_curves_unless_asked(request, monkeypatch):
+    """Every run draws curves.png at its end (a few tenths of a second of matplotlib); the suite's many
+    tiny runs in this process skip it, but those of a test that asks for `real_curves`."""
+    if "real_curves" not in request.fixturenames:
+        monkeypatch.setattr(g, "draw_curves", lambda folder: None)
+
+
+@pytest.fixture
+def real_curves():
+    """This test's runs draw curves.png (the stub above stays off)."""
+
+
 # --- the tiny runs the behaviour tests and the studies' tests share --------------------------------
 # Small enough to run in seconds, large enough to exercise every stage (warm-up, RL, evaluation).
 TINY = ["--steps", "4", "--warmup-max-steps", "20", "--warmup-batch", "16", "--val-size", "40", "--test-size", "40",

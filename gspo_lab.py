@@ -316,7 +316,7 @@ def sample_completions(model, prompt_ids, prompt_mask, max_new_tokens: int, eos_
     sampling is in view and the temperature matches `policy_logprobs` by construction. Greedy
     output equals generate's token for token (test_hand_written_sampler_matches_generate_when_greedy;
     `python studies/speed.py sampler` times the two). Stopped rows keep receiving `pad_id`; the loop
-    ends when every row has stopped.
+    ends when every row has stopped. A model that leaves the cache empty is refused (`cache_was_filled`).
     """
     from transformers import DynamicCache
 
@@ -337,6 +337,7 @@ def sample_completions(model, prompt_ids, prompt_mask, max_new_tokens: int, eos_
     pos = (attn.cumsum(-1) - 1).clamp(min=0)                   # (B, P), positions skip the padding
     logits = model(input_ids=prompt_ids[::G], attention_mask=attn[::G], position_ids=pos[::G],
                    cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1]   # (B/G, V)
+    cache_was_filled(cache, "sample_completions")
     logits = logits.repeat_interleave(G, dim=0)                # (B, V)
     cache.batch_repeat_interleave(G)                           # every cached tensor: B/G -> B rows
     done = torch.zeros(len(prompt_ids), dtype=torch.bool, device=prompt_ids.device)
@@ -473,6 +474,7 @@ def gspo_loss(logp_new, logp_old, advantages, mask, eps_low: float = 3e-4, eps_h
     add A), but still counts in the 1/B, as the paper's 1/G does. `aggregation` other than "paper"
     reweights the sequences (`aggregate`); so does `weight`, --is-correction's (`correction_weight`).
     """
+    at_least_float32(logp_new, logp_old)
     s = importance_ratio(logp_new, logp_old, mask)                     # (B,)
     per_seq = clipped_surrogate(s, advantages, eps_low, eps_high)     # (B,)
     return aggregate(per_seq, mask != 0, aggregation, num_tokens=num_tokens, max_tokens=max_tokens,
@@ -487,6 +489,7 @@ def gspo_token_loss(logp_new, logp_old, advantages, mask, eps_low: float = 3e-4,
     """GSPO-token: every s_it has the VALUE s_i (so clipping is decided per sequence) and the
     GRADIENT s_i * grad log pi(y_it), which lets each token carry its own advantage A_it.
     With A_it = A_i it equals GSPO in value and gradient (eqs. 15-17)."""
+    at_least_float32(logp_new, logp_old)
     keep = mask != 0
     s = importance_ratio(logp_new, logp_old, mask).detach()            # (B,), sg[s_i]
     own = torch.where(keep, logp_new - logp_new.detach(), torch.zeros_like(logp_new))  # 0, grad 1
@@ -502,6 +505,7 @@ def grpo_loss(logp_new, logp_old, advantages, mask, eps_low: float = 0.2, eps_hi
               *, aggregation: str = "paper", num_tokens=None, max_tokens=None, weight=None) -> torch.Tensor:
     """GRPO: every token clipped on its own ratio; per-row token mean, then mean over rows
     (`aggregation` "paper"; "dapo" and "dr_grpo" sum over tokens instead, `aggregate`)."""
+    at_least_float32(logp_new, logp_old)
     log_w, keep = _deltas(logp_new, logp_old, mask)                          # (B, T)
     per_tok = clipped_surrogate(torch.exp(log_w), per_token(advantages, log_w), eps_low, eps_high)
     return aggregate(per_tok, keep, aggregation, num_tokens=num_tokens, max_tokens=max_tokens, weight=weight)
@@ -842,14 +846,16 @@ def ratio_metrics(logp_new, logp_old, adv, mask, loss: str, eps_low: float, eps_
             "n_clip_tokens": tok_clipped.sum().item(), "n_tokens": keep.sum().item(),
             "n_clip_seqs": seq_clipped.sum().item(), "n_gate_tokens": gated.sum().item(),
             "abs_log_s_q": quantiles(log_s.abs()), "abs_token_log_ratio_q": quantiles(delta[keep].abs()),
-            "sum_old_minus_new": -delta[keep].sum().item(), **by_sign}
+            "sum_old_minus_new": -delta[keep].sum().item(),
+            "kl_sum": (torch.expm1(delta.double()) - delta.double()).sum().item(), **by_sign}
 
 
 
 
 
 def summarise_minibatches(logs: list[dict]) -> dict:
-    """One step's metrics from its minibatches' `ratio_metrics` (each with "loss", "n_clip_ceiling").
+    """One step's metrics from its minibatches' `ratio_metrics` (each with "loss", "n_clip_ceiling" and
+    "n_off_policy"); gspo_minimal.summarise_minibatches' keys mean what they mean there.
 
     `clip_ceiling`: the share of the step's tokens that could clip at all (`clip_tokens` never
     exceeds it). `grad_norm`: the largest minibatch's, before clipping. Per minibatch in order: its
@@ -866,6 +872,8 @@ def summarise_minibatches(logs: list[dict]) -> dict:
             "clip_tokens": sum(m["n_clip_tokens"] for m in logs) / tokens,
             "clip_seqs": sum(m["n_clip_seqs"] for m in logs) / len(s),
             "clip_ceiling": sum(m.get("n_clip_ceiling", 0) for m in logs) / tokens,
+            **({"approx_kl": sum(m["kl_sum"] for m in logs) / max(sum(m["n_off_policy"] for m in logs), 1)}
+               if "n_off_policy" in logs[0] else {}),      # (studies/trl_compare.py's records from TRL: none)
             "gate_tokens": sum(m.get("n_gate_tokens", 0) for m in logs) / tokens,
             "masked_seqs": sum(m.get("n_masked_seqs", 0) for m in logs) / len(s),
             "form_gap": max(m["form_gap"] for m in logs),
@@ -966,7 +974,7 @@ def rl_update(model, opt, batch: dict, cfg: Config, eps_low: float, eps_high: fl
             piece.backward()                  # gradients add up across the pieces of one chunk
             loss = loss + piece.detach()
             seen.append((logp_new.detach(), logp_old, adv, mask, dropped))
-        norm = stop_if_not_finite(f"minibatch {k + 1} of {len(chunks)} of the next step", loss, model)
+        norm = finite_grad_norm(model, loss, f"minibatch {k + 1} of {len(chunks)} of the next step")
         if cfg.grad_clip > 0:      # clip_grad_norm_ without computing the norm a second time
             torch.nn.utils.clip_grads_with_norm_(model.parameters(), cfg.grad_clip, norm)
         opt.step()
@@ -985,8 +993,12 @@ def rl_update(model, opt, batch: dict, cfg: Config, eps_low: float, eps_high: fl
         # a token can clip only off-policy (s = 1 in chunk 1 unless pi_old is the sampler's record)
         # and only with A != 0 (no flat group)
         could_clip = 0 if k == 0 and not from_sampler else (mask & (adv != 0).unsqueeze(-1)).sum().item()
+        # off-policy: every chunk after the first, and the first too where pi_old is a record (a
+        # synthetic one of gap 0 is the trainer's own pass: on-policy)
+        on_policy = k == 0 and not from_sampler and (shift is None or not shift.any())
+        n_off = 0 if on_policy else mask.sum().item()
         logs.append({**ratio_metrics(logp_new, logp_old, adv, mask, cfg.loss, *band(idx)),
-                     "loss": loss.item(), "n_clip_ceiling": could_clip, "grad_norm": norm.item(),
+                     "loss": loss.item(), "n_clip_ceiling": could_clip, "n_off_policy": n_off, "grad_norm": norm.item(),
                      "n_masked_seqs": sum(x[4] for x in seen), **gap})
     opt.zero_grad(set_to_none=True)         # the gradients' memory is free while the next rollout samples
     return summarise_minibatches(logs)
@@ -1000,8 +1012,10 @@ def rl_update(model, opt, batch: dict, cfg: Config, eps_low: float, eps_high: fl
 # and its KL to the trainer is measured) and --eval-at's extra evaluations.
 # ---------------------------------------------------------------------------------------------
 def eval_steps(cfg: Config) -> set[int]:
-    """gspo_minimal.eval_steps and each of --eval-at's steps (a comma-separated list, checked by `validate`)."""
-    return g.eval_steps(cfg) | {int(v) for v in cfg.eval_at.split(",") if v.strip()}
+    """The RL steps that end with a validation evaluation and a checkpoint: every --eval-every'th and the
+    last (as gspo_minimal.train), and each of --eval-at's (a comma-separated list, checked by `validate`)."""
+    every = {step for step in range(1, cfg.steps + 1) if step % cfg.eval_every == 0} | {cfg.steps}
+    return every | {int(v) for v in cfg.eval_at.split(",") if v.strip()}
 
 
 def train(cfg: Config, model, tokenizer, device, run, stop) -> dict:

@@ -6,63 +6,41 @@
     python gspo_minimal.py --model DIR     # any Hugging Face causal LM (a hub id or a local folder)
     python gspo_minimal.py --help          # every hyperparameter, with its meaning
 
-Papers:
-  GSPO            Zheng et al., "Group Sequence Policy Optimization", arXiv 2507.18071 (v2).
-  Rethinking GSPO Chi Liu, "Rethinking GSPO: The Perplexity-Entropy Equivalence", arXiv 2510.23142.
+GSPO (Zheng et al., "Group Sequence Policy Optimization", arXiv 2507.18071, eq. 7) weights every
+sampled response y by the length-normalised sequence ratio s; written with the response's per-token
+cross-entropy H(y) = -(1/|y|) sum_t log pi(y_t|x,y_<t) and its perplexity PPL = exp(H) (Chi Liu,
+"Rethinking GSPO: The Perplexity-Entropy Equivalence", arXiv 2510.23142), the same number is
 
-The one idea. GSPO weights every sampled response y by the length-normalised sequence ratio
-
-    s = (pi_new(y|x) / pi_old(y|x)) ** (1/|y|)                                  (GSPO eq. 7)
-
-Written with the per-token cross-entropy of the sampled response, H(y) = -(1/|y|) sum_t log pi(y_t|x,y_<t),
-and its perplexity PPL = exp(H), the same number is
-
-    s = PPL_old(y) / PPL_new(y) = exp(H_old(y) - H_new(y))
+    s = (pi_new(y|x) / pi_old(y|x)) ** (1/|y|) = PPL_old(y) / PPL_new(y) = exp(H_old(y) - H_new(y))
 
 so GSPO scales the policy gradient by how much LESS perplexed the new policy is by the response.
-`importance_ratio` computes the first form, `perplexity` and `cross_entropy` the pieces of the other
-two, and `form_gap` all three side by side; every step logs their largest disagreement (round-off).
 
-The file's order is the reading order: hyperparameters, task, tokenizer, model, sampling, group
-advantages, token log-probs, the ratio identities, the objectives, batches, warm-up, one GSPO step,
-the loop (`train`), main(); then, behind a banner, the plumbing. The functions from `group_advantages`
-to `grpo_loss` need only torch and each other: copy them into your own trainer as they are. Every
-research option of the studies (GSPO's relatives, other aggregations, a bf16 sampler's record as
-pi_old, mismatch corrections, synthetic records, other bands, memory options, more tasks, the MoE)
-lives in the lab, gspo_lab.py, which imports this file and takes its flags plus its own.
+One GSPO step, as `train` runs it after a supervised `warmup`:
+  1. sample_train_problems  prompts_per_step problems, none from the test or validation set
+  2. rollout                the policy as it is now, pi_old, answers each problem G times:
+       sample_completions     temperature 1, a KV cache; `reward` scores each answer, and
+       group_advantages       A_i = (r_i - mean of its group) / std of its group
+  3. rl_update              the rollout in `minibatches` chunks of whole groups; for each chunk:
+       group_policy_logprobs  log pi_theta(y_t) of every answer token; pi_old's: chunk 1's own, detached,
+                              the others' from one pass before any step
+       gspo_loss              -mean_i min(s_i A_i, clip(s_i, 1 - 3e-4, 1 + 4e-4) A_i), s_i by importance_ratio
+       AdamW                  one step; every chunk after the first is off-policy (ratio_metrics logs s,
+                              the clipped shares and PPO's approximate KL)
+  4. accuracy               every eval_every steps, greedy answers on the validation set
 
-Simplifications, each named again where it happens:
-  * A tiny model (4 layers, width 128) on 2-digit addition, so that a run fits in four minutes on two
-    CPU cores. `--model` swaps in any Hugging Face causal LM (each minibatch in one pass).
-  * A short supervised warm-up first: RL learns only from groups with some successes.
-  * No KL penalty and no reference model: the GSPO paper omits the KL term "for brevity".
-  * 4 minibatches per rollout, one optimiser step each (the paper's setting): all but the first
-    update are off-policy, which is where GSPO and GRPO differ at all.
-  * The advantage's std gets a small eps (1e-6, as verl); the paper leaves the convention open.
-  * Sampling is a hand-written KV-cached loop, not `model.generate` (results.md times both).
+Needs torch >= 2.6 (clip_grads_with_norm_) and transformers >= 5.0 (`cache=`, `dtype=`), as read
+from the APIs it calls (tested at requirements.txt's pins only). The functions from `group_advantages`
+to `grpo_loss` need only torch: copy them as they are. The lab, gspo_lab.py, imports this file and
+holds GSPO's relatives, other samplers and tasks. Simplifications, each named again where it happens:
+a tiny model (4 layers, width 128) that trains in four minutes on two CPU cores; a supervised warm-up
+first (RL learns only from groups with some successes); no KL penalty or reference model (the paper
+omits the KL term "for brevity"); the advantage's std gets an eps of 1e-6, as verl's.
 """
 
 from __future__ import annotations
 
-import argparse
-import ast
-import contextlib
-import dataclasses
-import functools
-import inspect
-import json
-import math
-import os
 import random
-import re
-import shutil
-import signal
-import sys
-import tempfile
-import textwrap
 import time
-import typing
-import weakref
 from dataclasses import dataclass
 
 import torch
@@ -77,13 +55,11 @@ class Config:
     loss: str = "gspo"
     """objective: gspo (sequence ratio, eq. 5), gspo-token (eqs. 13-14) or grpo (token ratio, eq. 2)"""
     data: str = ""
-    """your own problems instead of 2-digit addition: a JSONL file, one object a line with string
-    fields 'prompt' and 'answer'. --test-size and --val-size rows are held out by a seeded split, never
-    trained on; the built-in model's warm-up learns to write the answers (then every character must
-    be one it has: digits, + * = |)"""
+    """your own problems instead of 2-digit addition: a JSONL file, one {"prompt": ..., "answer": ...}
+    a line (--test-size and --val-size rows held out); the built-in model writes digits and + * = | only"""
     reward: str = "exact"
-    """reward of --data: exact (the stripped completion is the answer) or last-number (the last
-    number in it is; the answers must be integers); EOS required either way"""
+    """reward of --data: exact (the stripped completion is the answer) or last-number (its last
+    number is; integer answers); EOS required either way"""
     model: str = ""
     """Hugging Face causal LM with its tokenizer: a hub id or a local folder; empty: the built-in tiny model"""
     no_chat_template: bool = False
@@ -91,8 +67,7 @@ class Config:
     device: str = "auto"
     """auto (CUDA when available, else CPU), cpu or cuda"""
     seed: int = 0
-    """seed for model initialisation, sampling and the training prompts (the test set is fixed);
-    0 to 2**64 - 1"""
+    """seed for model initialisation, sampling and the training prompts (the test set is fixed)"""
     group_size: int = 8
     """G: completions sampled per prompt; advantages are normalised within each group"""
     prompts_per_step: int = 32
@@ -110,12 +85,9 @@ class Config:
     max_new_tokens: int = 6
     """longest completion sampled; a completion without EOS by then gets reward 0"""
     temperature: float = 1.0
-    """sampling temperature, 0.01 to 100; the policy's log-probs use logits / temperature, so s = 1
-    on-policy"""
+    """sampling temperature, 0.01 to 100; the log-probs divide the logits by it too: those of the sampler"""
     out: str = "runs/train"
-    """output folder: metrics.jsonl, summary.json and checkpoint/ (Hugging Face format); the run
-    writes <out>.incomplete until its first checkpoint, holds <out>.lock while it lives (a second
-    run at the same --out is refused), and never touches what it did not write"""
+    """output folder: metrics.jsonl, summary.json, curves.png and checkpoint/ (Hugging Face format)"""
     shuffle_rewards: bool = False
     """control experiment: permute rewards across the rollout, destroying the signal"""
     warmup_lr: float = 1e-3
@@ -150,17 +122,18 @@ def resolved_eps(cfg: Config) -> tuple[float, float]:
 
 
 # ---------------------------------------------------------------------------------------------
-# Task and reward: 2-digit addition, or the rows of a file of your own (--data, `DataTask` after main).
-# A task is any object with Add2's methods; a problem is a pair (a, b): operands, or (prompt, answer).
+# Task and reward: 2-digit addition. A problem is a pair: the operands (a, b) for add2; with --data,
+# a row's (prompt, answer) (`DataTask`, after main, has the same methods).
 # ---------------------------------------------------------------------------------------------
 DATA_SEED = 1234  # fixed: every run, whatever its --seed, is scored on the same test problems
 
 
 class Add2:
     """a + b for a, b < 100, asked '07+45=' (operands zero-padded: every prompt has one length) and
-    answered '52' then EOS. The lab's other arithmetic tasks change `n`, `op` and a method or two."""
+    answered '52' then EOS. The lab's other tasks change `n` and `op` (mul2 asks '07*45=')."""
     name, n, op = "add2", 100, "+"
-    characters = "0123456789+*="          # what the built-in tokenizer has a token for
+    characters = "0123456789+*="          # the tokenizer's; '*' (the lab's mul2's) is unused here, kept as
+                                          # one character less would change the tiny model's initial weights
 
     def draw(self, rng: random.Random) -> tuple:
         return rng.randrange(self.n), rng.randrange(self.n)
@@ -168,8 +141,8 @@ class Add2:
     def count(self) -> int:               # distinct problems: 3+4 and 4+3 are two
         return self.n * self.n
 
-    def room(self) -> int:                # the most the test and validation sets may hold together:
-        return self.count() // 2          # half (training finds the rest by redrawing, which stays quick)
+    def room(self) -> int:                # at most half the problems may be held out
+        return self.count() // 2
 
     def prompt(self, a, b) -> str:
         width = len(str(self.n - 1))
@@ -229,7 +202,7 @@ def reward(completion_ids: list[int], answer: str, tokenizer, *, task=ADD2) -> f
 
 
 # ---------------------------------------------------------------------------------------------
-# Tokenizer: one token per character, built with `tokenizers`, saved with every checkpoint.
+# Tokenizer and model: one token per character and a tiny Llama built from a config (no download).
 # ---------------------------------------------------------------------------------------------
 def build_char_tokenizer(task=ADD2):
     """<pad>, <eos>, <unk> and a token per character of `task.characters` (16 tokens for add2). pad !=
@@ -247,16 +220,12 @@ def build_char_tokenizer(task=ADD2):
                                    unk_token="<unk>", padding_side="left")
 
 
-# ---------------------------------------------------------------------------------------------
-# Model: a tiny Llama built from a config, no download; or any Hugging Face causal LM.
-# ---------------------------------------------------------------------------------------------
 TINY_MODEL = dict(hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4,
                   bos_token_id=None, tie_word_embeddings=True)
 
 
 def build_tiny_model(tokenizer, positions: int = 64):
-    """1.05M parameters. `positions`: room for the longest prompt + completion (RoPE: no parameter
-    depends on it)."""
+    """1.05M parameters; `positions` holds the longest prompt + completion (RoPE: no weight depends on it)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     return LlamaForCausalLM(LlamaConfig(vocab_size=len(tokenizer), intermediate_size=512,
@@ -264,20 +233,8 @@ def build_tiny_model(tokenizer, positions: int = 64):
                                         eos_token_id=tokenizer.eos_token_id, **TINY_MODEL))
 
 
-def load_pretrained(name_or_path: str):
-    """Any causal LM with its tokenizer, from a hub id or a folder, in float32. Left padding, so that
-    every prompt ends at the same column."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(name_or_path)
-    tokenizer.padding_side = "left"
-    if tokenizer.pad_token is None:              # the completion mask comes from the first EOS, so
-        tokenizer.pad_token = tokenizer.eos_token  # pad == eos is harmless here (see completion_mask)
-    return AutoModelForCausalLM.from_pretrained(name_or_path, dtype=torch.float32), tokenizer
-
-
 def build(cfg: Config, device, task):
-    """Model and tokenizer: --model, or the tiny built-in one (its weights from torch's global seed)."""
+    """Model and tokenizer: --model's (`load_pretrained`), or the tiny built-in one (weights from torch's seed)."""
     if cfg.model:
         model, tokenizer = load_pretrained(cfg.model)
         if cfg.no_chat_template:          # encode_prompts then writes prompts as plain text
@@ -300,18 +257,17 @@ def completion_mask(completions: torch.Tensor, eos_id: int) -> torch.Tensor:
     return ~eos_before
 
 
+def cache_was_filled(cache, where: str) -> None:
+    """A model that ignores `cache=` leaves it empty: every later token would lose its prompt. Refuse."""
+    if cache.get_seq_length() == 0:
+        raise RuntimeError(f"{where}: the model left the KV cache passed as cache= empty (transformers >= 5.0 needed)")
+
+
 @torch.no_grad()
 def sample_completions(model, prompt_ids, prompt_mask, max_new_tokens: int, eos_id: int,
                        pad_id: int, *, temperature: float = 1.0, group_size: int = 1) -> torch.Tensor:
-    """One completion per row, (B, T) token ids, T <= max_new_tokens; temperature 0 is greedy.
-
-    Rows come in groups of `group_size` identical prompts (a rollout's layout): each prompt runs
-    through the model once per group and its KV cache (transformers' DynamicCache, passed as
-    `cache=`) is repeated G times. A hand-written loop over
-    a DynamicCache rather than `model.generate`, so that every step is in view and the temperature
-    matches `policy_logprobs` by construction (greedy output equals generate's, a test checks).
-    Stopped rows receive `pad_id`; the loop ends when every row has stopped.
-    """
+    """One completion per row, (B, T) token ids, T <= max_new_tokens; temperature=0 means greedy decoding.
+    Rows come in groups of `group_size` identical prompts: each runs once, its KV cache repeated G times."""
     from transformers import DynamicCache
 
     G = group_size
@@ -320,12 +276,13 @@ def sample_completions(model, prompt_ids, prompt_mask, max_new_tokens: int, eos_
     pos = (attn.cumsum(-1) - 1).clamp(min=0)                   # (B, P), positions skip the padding
     logits = model(input_ids=prompt_ids[::G], attention_mask=attn[::G], position_ids=pos[::G],
                    cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1]   # (B/G, V)
+    cache_was_filled(cache, "sample_completions")
     logits = logits.repeat_interleave(G, dim=0)                # (B, V)
     cache.batch_repeat_interleave(G)                           # every cached tensor: B/G -> B rows
     done = torch.zeros(len(prompt_ids), dtype=torch.bool, device=prompt_ids.device)
     out = []
     for _ in range(max_new_tokens):
-        if temperature > 0:
+        if temperature > 0:                                    # softmax(logits / T): what the log-probs score
             probs = torch.softmax(logits.float() / temperature, dim=-1)
             nxt = torch.multinomial(probs, 1).squeeze(-1)      # (B,)
         else:
@@ -343,15 +300,12 @@ def sample_completions(model, prompt_ids, prompt_mask, max_new_tokens: int, eos_
 
 
 # ---------------------------------------------------------------------------------------------
-# Group advantages (GSPO eq. 6): each response against the other responses to the same prompt.
+# Group advantages (GSPO eq. 6), token log-probs and the masked mean every ratio is built from.
 # ---------------------------------------------------------------------------------------------
 # A_i = (r_i - mean(r_1..r_G)) / (std(r_1..r_G) + eps),  std Bessel-corrected (TRL, verl).
 def group_advantages(rewards: torch.Tensor, group_size: int, *, eps: float = 1e-6) -> torch.Tensor:
-    """rewards (B,), laid out group after group -> advantages (B,).
-
-    A group whose rewards are all equal carries no signal and gets exactly 0, detected explicitly:
-    (r - mean) can be a tiny non-zero round-off that the division by (0 + eps) would blow up.
-    """
+    """rewards (B,), laid out group after group -> advantages (B,). A group whose rewards are all equal
+    gets exactly 0, detected: (r - mean) can be a round-off that dividing by (0 + eps) would blow up."""
     if group_size < 2 or rewards.numel() % group_size:
         raise ValueError(f"need group_size >= 2 dividing {rewards.numel()} rewards, got {group_size}")
     r = rewards.reshape(-1, group_size)                        # (B/G, G)
@@ -360,19 +314,12 @@ def group_advantages(rewards: torch.Tensor, group_size: int, *, eps: float = 1e-
     return torch.where(all_equal, torch.zeros_like(adv), adv).reshape(-1)
 
 
-# ---------------------------------------------------------------------------------------------
-# Token log-probs and the masked mean that every sequence-level quantity is built from.
-# ---------------------------------------------------------------------------------------------
 # log pi(y_t | x, y_<t) = log_softmax(logits_t)[y_t]
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, *,
                    chunk_elements: int = 2 ** 22) -> torch.Tensor:
-    """logits (B, T, V), tokens (B, T) -> (B, T) log-probabilities of the given tokens.
-
-    At least float32: a log-softmax in bf16 rounds log-probs to ~0.01 nats, far coarser than GSPO's
-    band of 3e-4 nats per token. It runs on chunks of at most `chunk_elements` logits, so a real
-    vocabulary never needs a float32 copy of the whole (B, T, V) tensor; each position's log-softmax
-    depends on its own V logits only, so the result is bit for bit the one-shot formula's.
-    """
+    """logits (B, T, V), tokens (B, T) -> (B, T) log-probs, float32 at least (bf16 rounds them to ~0.01
+    nats, far coarser than GSPO's band of 3e-4 on log s), in chunks of `chunk_elements` logits so that
+    a real vocabulary never needs a float32 copy of the whole (B, T, V): the same result."""
     B, T, V = logits.shape
     dtype = torch.promote_types(logits.dtype, torch.float32)
     flat, idx = logits.reshape(B * T, V), tokens.reshape(B * T, 1).long()     # (B*T, V), (B*T, 1)
@@ -385,11 +332,8 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, *,
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int = -1) -> torch.Tensor:
-    """Mean of x over positions where mask is true; an empty row gives 0.
-
-    `torch.where`, never `x * mask`: a NaN or inf at a masked position would survive the
-    multiplication (0 * inf = NaN) and poison both the value and the gradient.
-    """
+    """Mean of x where mask is true; an empty row gives 0. `torch.where`, never `x * mask`: a NaN or inf
+    at a masked position would survive the product (0 * inf = NaN), in the value and the gradient."""
     keep = mask != 0                                           # bool, 0/1 int or 0/1 float masks alike
     total = torch.where(keep, x, torch.zeros((), dtype=x.dtype, device=x.device)).sum(dim)
     return total / keep.sum(dim).clamp(min=1).to(x.dtype)
@@ -436,10 +380,9 @@ def form_gap(logp_new, logp_old, mask) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------------------------
-# The objectives. Each returns a loss to MINIMISE (the paper's J with its sign flipped), with the
-# paper's aggregation: one term per sequence (a token mean for GRPO), mean over the B sequences.
-# PPO's clipped surrogate min(r A, clip(r, 1-eps_low, 1+eps_high) A) stops the gradient only on the
-# side that would profit from moving further: r > 1+eps_high when A > 0, r < 1-eps_low when A < 0.
+# The objectives: losses to MINIMISE (the paper's J, sign flipped), one term per sequence (a token mean
+# for GRPO), mean over the B sequences. PPO's min(r A, clip(r, 1-eps_low, 1+eps_high) A) stops the
+# gradient only on the side that would gain by moving on: r > 1+eps_high if A > 0, r < 1-eps_low if A < 0.
 # ---------------------------------------------------------------------------------------------
 def clipped_surrogate(ratio, adv, eps_low: float, eps_high: float) -> torch.Tensor:
     """min(r A, clip(r, 1-eps_low, 1+eps_high) A), elementwise; r and A broadcast together."""
@@ -456,15 +399,22 @@ def per_token(advantages: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return advantages.unsqueeze(-1).expand_as(like) if advantages.dim() == 1 else advantages
 
 
+def at_least_float32(*logps: torch.Tensor) -> None:
+    """Refuse bf16 or fp16 log-probs: their difference rounds to ~0.01 nats, so s = 1 for any smaller update
+    and GSPO's 3e-4 band never clips. Values rounded to bf16, then cast to float32, pass unseen."""
+    for x in logps:
+        if x.dtype not in (torch.float32, torch.float64):
+            raise ValueError(f"log-probs in {x.dtype}: a difference of {x.dtype} log-probs rounds s to 1, "
+                             "so GSPO's band never clips; pass float32 log-probs")
+
+
 # J_GSPO = (1/G) sum_i min(s_i A_i, clip(s_i, 1-eps_low, 1+eps_high) A_i)                (eq. 5)
 def gspo_loss(logp_new, logp_old, advantages, mask, eps_low: float = 3e-4, eps_high: float = 4e-4
               ) -> torch.Tensor:
-    """GSPO: one clipped term per sequence, mean over sequences. (B, T) log-probs, (B,) advantages.
-
-    Its gradient is (eq. 10) s_i A_i (1/|y_i|) sum_t grad log pi(y_it) for an unclipped response:
-    every token of a response shares one weight. An empty row adds nothing (explicit `where`: the
-    clipped term at s = 1 would add A), but still counts in the 1/B, as the paper's 1/G does.
-    """
+    """GSPO: one clipped term per sequence, mean over sequences. (B, T) log-probs, (B,) advantages. Its
+    gradient (eq. 10), s_i A_i (1/|y_i|) sum_t grad log pi(y_it) unclipped, gives every token of a response
+    one weight. An empty row adds nothing (the clipped term at s = 1 would add A) but counts in the 1/B."""
+    at_least_float32(logp_new, logp_old)
     s = importance_ratio(logp_new, logp_old, mask)                     # (B,)
     per_seq = clipped_surrogate(s, advantages, eps_low, eps_high)      # (B,)
     return -torch.where((mask != 0).any(-1), per_seq, torch.zeros_like(per_seq)).sum() / per_seq.numel()
@@ -477,6 +427,7 @@ def gspo_token_loss(logp_new, logp_old, advantages, mask, eps_low: float = 3e-4,
     """GSPO-token: every s_it has the VALUE s_i (so clipping is decided per sequence) and the
     GRADIENT s_i * grad log pi(y_it), which lets each token carry its own advantage A_it, (B,) or
     (B, T). With A_it = A_i it equals GSPO in value and gradient (eqs. 15-17)."""
+    at_least_float32(logp_new, logp_old)
     keep = mask != 0
     s = importance_ratio(logp_new, logp_old, mask).detach()            # (B,), sg[s_i]
     own = torch.where(keep, logp_new - logp_new.detach(), torch.zeros_like(logp_new))  # 0, grad 1
@@ -491,6 +442,7 @@ def gspo_token_loss(logp_new, logp_old, advantages, mask, eps_low: float = 3e-4,
 def grpo_loss(logp_new, logp_old, advantages, mask, eps_low: float = 0.2, eps_high: float = 0.27
               ) -> torch.Tensor:
     """GRPO: every token clipped on its own ratio; per-row token mean, then mean over rows."""
+    at_least_float32(logp_new, logp_old)
     keep = mask != 0
     log_w = torch.where(keep, logp_new - logp_old, torch.zeros_like(logp_new))       # (B, T)
     per_tok = clipped_surrogate(torch.exp(log_w), per_token(advantages, log_w), eps_low, eps_high)
@@ -504,9 +456,8 @@ LOSS_FNS = {"gspo": gspo_loss, "gspo-token": gspo_token_loss, "grpo": grpo_loss}
 # Batches: prompts to tensors, the policy's log-probs of given completions, and greedy accuracy.
 # ---------------------------------------------------------------------------------------------
 def encode_prompts(tokenizer, texts: list[str], device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Left-padded prompt ids and attention mask, both (B, P). A tokenizer with a chat template (an
-    instruct model's) gets each text as one user message and the opening of the assistant's turn, as
-    in its own training; the template writes the special tokens, so the tokenizer must not add them."""
+    """Left-padded prompt ids and mask, (B, P) each. With a chat template (an instruct model's) each text
+    is a user message, then the assistant's turn opens; the template writes the special tokens."""
     if getattr(tokenizer, "chat_template", None):
         texts = [tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
                                                add_generation_prompt=True) for text in texts]
@@ -527,23 +478,19 @@ def completion_logits(model, prompt_ids, prompt_mask, completions) -> torch.Tens
                  logits_to_keep=T + 1).logits[:, :-1]                   # (B, T, V): predicts y_1..y_T
 
 
-def policy_logprobs(model, prompt_ids, prompt_mask, completions, *, temperature: float = 1.0):
-    """log pi(y_t | x, y_<t) for every completion position: (B, T), differentiable."""
+def policy_logprobs(model, prompt_ids, prompt_mask, completions, *, temperature: float | None = 1.0):
+    """log pi(y_t | x, y_<t) for every completion position: (B, T), differentiable; the logits divided by
+    the sampler's `temperature`, so that they score the distribution that sampled (None: as they are)."""
     logits = completion_logits(model, prompt_ids, prompt_mask, completions)   # (B, T, V)
-    if temperature > 0:                        # 0 leaves the logits as they are (the warm-up's NLL)
-        logits = logits / temperature          # the sampler's distribution, so s = 1 on-policy
+    if temperature:
+        logits = logits / temperature
     return token_logprobs(logits, completions)
 
 
 def group_policy_logprobs(model, prompt_ids, prompt_mask, completions, group_size: int, *,
-                          temperature: float = 1.0):
-    """`policy_logprobs` for rows in groups of `group_size` identical prompts, each prompt run once.
-
-    Its keys and values are repeated for the group's G completions, which run on top of them: the
-    same numbers as `policy_logprobs`, gradient included (autograd sums the G completions' gradients
-    into the one prompt pass). On add2 the prompts (6 tokens) are longer than the answers (2-4 with
-    EOS): this skips nearly half of the positions.
-    """
+                          temperature: float | None = 1.0):
+    """`policy_logprobs` of rows in groups of `group_size` identical prompts, each prompt run once and its KV
+    cache repeated under the G completions: the same numbers and gradient, about half add2's positions."""
     from transformers import DynamicCache
 
     G, P, T = group_size, prompt_ids.shape[1], completions.shape[1]
@@ -554,11 +501,12 @@ def group_policy_logprobs(model, prompt_ids, prompt_mask, completions, group_siz
                   cache=cache, use_cache=True, logits_to_keep=1).logits        # (B/G, 1, V): y_1
     logits = first.repeat_interleave(G, dim=0)                                  # (B, 1, V)
     if T > 1:
+        cache_was_filled(cache, "group_policy_logprobs")
         cache.batch_repeat_interleave(G)
         rest = model(input_ids=completions[:, :-1], attention_mask=attn[:, :-1],
                      position_ids=pos[:, P:-1], cache=cache, use_cache=True).logits  # (B, T-1, V)
         logits = torch.cat([logits, rest], dim=1)                               # (B, T, V): y_1..y_T
-    if temperature > 0:
+    if temperature:
         logits = logits / temperature
     return token_logprobs(logits, completions)
 
@@ -581,9 +529,8 @@ def accuracy(model, tokenizer, task, problems, max_new_tokens: int, device, batc
 # Supervised warm-up: teach the answer format until some sampled answers are right.
 # ---------------------------------------------------------------------------------------------
 # Why: GSPO's signal is the reward spread INSIDE a group. A random model answers nothing right, every
-# group is all zeros, every advantage is 0 and nothing is learnt. We stop as soon as validation
-# accuracy first reaches `warmup_target` (0.3): enough groups then hold both successes and failures.
-# (A departure from the paper, which starts from a pretrained model.)
+# advantage is 0 and nothing is learnt. We stop once validation accuracy reaches `warmup_target`
+# (0.3): enough groups then hold both successes and failures. (The paper starts from a pretrained model.)
 def supervised_loss(model, tokenizer, task, problems, device) -> torch.Tensor:
     """Mean token negative log-likelihood of 'solution<eos>' after each prompt."""
     ids, attn = encode_prompts(tokenizer, [task.prompt(a, b) for a, b in problems], device)
@@ -593,13 +540,12 @@ def supervised_loss(model, tokenizer, task, problems, device) -> torch.Tensor:
     target = torch.tensor([ans + [tokenizer.pad_token_id] * (T - len(ans)) for ans in answers],
                           device=device)                                 # (B, T)
     mask = torch.tensor([[t < len(ans) for t in range(T)] for ans in answers], device=device)
-    logp = policy_logprobs(model, ids, attn, target, temperature=0.0)   # (B, T); 0: logits unscaled
+    logp = policy_logprobs(model, ids, attn, target, temperature=None)  # (B, T), the plain logits
     return -masked_mean(logp.flatten(), mask.flatten())
 
 
 def warmup(model, tokenizer, splits, cfg: Config, device, rng: random.Random, run, stop) -> int:
-    """Train on correct answers until validation accuracy >= cfg.warmup_target. Returns steps taken.
-    `run.log` records progress; `stop.requested` turns true after Ctrl-C (both plumbing)."""
+    """Train on correct answers until validation accuracy >= cfg.warmup_target. Returns steps taken."""
     task = splits["task"]
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.warmup_lr)
     val_acc = accuracy(model, tokenizer, task, splits["val"], cfg.max_new_tokens, device)
@@ -609,7 +555,7 @@ def warmup(model, tokenizer, splits, cfg: Config, device, rng: random.Random, ru
         loss = supervised_loss(model, tokenizer, task, sample_train_problems(splits, cfg.warmup_batch, rng), device)
         opt.zero_grad(set_to_none=True)
         loss.backward()
-        stop_if_not_finite(f"warm-up step {step}", loss, model)   # before the update reaches the weights
+        finite_grad_norm(model, loss, f"warm-up step {step}")   # raises Diverged before a bad update
         opt.step()
         if step % 20 == 0:       # supervised accuracy jumps suddenly: look often, it costs little
             val_acc = accuracy(model, tokenizer, task, splits["val"], cfg.max_new_tokens, device)
@@ -654,28 +600,31 @@ def group_chunks(n_rows: int, group_size: int, minibatches: int, device) -> list
             for grp in groups]
 
 
+# PPO's approximate KL (CleanRL's `approx_kl`): KL(pi_old || pi_theta) ~ mean_t (e^x - 1 - x) >= 0, with
+# x = log pi_theta(y_t) - log pi_old(y_t). Under pi_old E[x] = -KL, so on average GSPO's log s = mean_t x
+# is -approx_kl: the drift that GSPO's band clips. In float64: float32 cancels to noise at |x| ~ 1e-4.
 def ratio_metrics(logp_new, logp_old, adv, mask, loss: str, eps_low: float, eps_high: float) -> dict:
-    """s, the forms' disagreement and the clip counts of one minibatch. A token counts as clipped when
-    its term sits on the clipped, zero-gradient side of the min; for GSPO a clipped sequence clips all
-    its tokens (our reading of GSPO §5.2, and what verl's pg_clipfrac counts), so that `clip_tokens`
-    has one unit for GSPO and GRPO; `clip_seqs` counts GSPO's sequences."""
+    """A minibatch's s (B,), its forms' largest disagreement, and counts. A token is clipped when its term
+    is on the min's clipped, zero-gradient side; a clipped GSPO response clips all its tokens (as verl
+    counts), so that `n_clip_tokens` means the same for GSPO and GRPO."""
     keep = mask != 0
     s = importance_ratio(logp_new, logp_old, mask)                          # (B,)
     seq_clipped = clipped_on_active_side(s, adv, eps_low, eps_high)         # (B,)
+    log_w = torch.where(keep, logp_new - logp_old, torch.zeros_like(logp_new))          # (B, T)
     if loss == "grpo":                                                      # each token's own ratio
-        ratio = torch.exp(torch.where(keep, logp_new - logp_old, torch.zeros_like(logp_new)))
-        tok_clipped = clipped_on_active_side(ratio, adv.unsqueeze(-1), eps_low, eps_high) & keep
+        tok_clipped = clipped_on_active_side(torch.exp(log_w), adv.unsqueeze(-1), eps_low, eps_high) & keep
     else:
         tok_clipped = seq_clipped.unsqueeze(-1) & keep
-    return {"s": s, "form_gap": form_gap(logp_new, logp_old, mask).max().item(),    # counts, not shares
+    x = log_w.double()
+    return {"s": s, "form_gap": form_gap(logp_new, logp_old, mask).max().item(),
             "n_clip_tokens": tok_clipped.sum().item(), "n_tokens": keep.sum().item(),
-            "n_clip_seqs": seq_clipped.sum().item()}
+            "n_clip_seqs": seq_clipped.sum().item(), "kl_sum": (torch.expm1(x) - x).sum().item()}
 
 
 def summarise_minibatches(logs: list[dict]) -> dict:
-    """One step's metrics from its minibatches' `ratio_metrics` (each with loss, n_clip_ceiling and
-    grad_norm). `clip_ceiling`: the share of tokens that could clip at all; `grad_norm`: the largest
-    minibatch's, before clipping."""
+    """A step's metrics from its minibatches' `ratio_metrics`, loss, grad_norm (unclipped), n_clip_ceiling
+    (tokens that could clip: off-policy, A != 0) and n_off_policy. `s_mean` is over every response,
+    minibatch 1's exact 1s included; `approx_kl` over off-policy tokens (0 with one minibatch)."""
     s = torch.cat([m["s"] for m in logs])                                  # (B,)
     tokens = max(sum(m["n_tokens"] for m in logs), 1)
     return {"loss": sum(m["loss"] for m in logs) / len(logs), "s_mean": s.mean().item(),
@@ -683,20 +632,16 @@ def summarise_minibatches(logs: list[dict]) -> dict:
             "clip_tokens": sum(m["n_clip_tokens"] for m in logs) / tokens,
             "clip_seqs": sum(m["n_clip_seqs"] for m in logs) / len(s),
             "clip_ceiling": sum(m["n_clip_ceiling"] for m in logs) / tokens,
+            "approx_kl": sum(m["kl_sum"] for m in logs) / max(sum(m["n_off_policy"] for m in logs), 1),
             "form_gap": max(m["form_gap"] for m in logs), "grad_norm": max(m["grad_norm"] for m in logs),
             "clip_seqs_by_minibatch": [m["n_clip_seqs"] / len(m["s"]) for m in logs]}
 
 
 def rl_update(model, opt, batch: dict, cfg: Config, eps_low: float, eps_high: float) -> dict:
-    """Split one rollout into `minibatches` chunks of whole groups and take one clipped step on each.
-
-    pi_old is the policy that sampled the rollout, its log-probs recomputed by the trainer's own
-    pass (not taken from the sampler). For chunk 1 that is the update's own pass, detached (nothing
-    has moved yet: s = 1 exactly); for the others, one pass BEFORE the first update. Every later
-    chunk is off-policy, which is where GSPO and GRPO differ: at s = w = 1 both gradients are the
-    plain policy gradient (tutorial section 5). Whole groups: each prompt runs once per chunk
-    (`group_policy_logprobs`), and each chunk's advantages sum to 0 group by group.
-    """
+    """One clipped step on each of `minibatches` chunks of whole groups of the rollout. pi_old is the
+    policy that sampled it, its log-probs recomputed by the trainer: for chunk 1 the update's own pass, detached
+    (s = 1 exactly), for the others one pass before the first step. At s = w = 1 GSPO's and GRPO's
+    gradients are the plain policy gradient: they differ only in the later, off-policy chunks."""
     G = cfg.group_size
     chunks = group_chunks(len(batch["rewards"]), G, cfg.minibatches, batch["rewards"].device)
     logprobs = lambda idx: group_policy_logprobs(model, batch["prompt_ids"][idx], batch["prompt_mask"][idx],
@@ -716,15 +661,16 @@ def rl_update(model, opt, batch: dict, cfg: Config, eps_low: float, eps_high: fl
         loss = LOSS_FNS[cfg.loss](logp_new, logp_old, adv, mask, eps_low, eps_high)
         opt.zero_grad(set_to_none=True)
         loss.backward()
-        # a non-finite loss or gradient raises Diverged before the step; else the gradient norm
-        norm = stop_if_not_finite(f"minibatch {k + 1} of {len(chunks)} of the next step", loss, model)
+        norm = finite_grad_norm(model, loss, f"minibatch {k + 1} of {len(chunks)} of the next step")
         if cfg.grad_clip > 0:      # clip_grad_norm_ without computing the norm a second time
             torch.nn.utils.clip_grads_with_norm_(model.parameters(), cfg.grad_clip, norm)
         opt.step()
-        # a token can clip only off-policy (not in chunk 1) and only with A != 0 (no flat group)
+        # n_clip_ceiling, the tokens that could clip: chunk 1 is on-policy (s = 1), and A = 0 never clips
+        n_off = 0 if k == 0 else mask.sum().item()
         could_clip = 0 if k == 0 else (mask & (adv != 0).unsqueeze(-1)).sum().item()
         logs.append({**ratio_metrics(logp_new.detach(), logp_old, adv, mask, cfg.loss, eps_low, eps_high),
-                     "loss": loss.item(), "n_clip_ceiling": could_clip, "grad_norm": norm.item()})
+                     "loss": loss.item(), "n_clip_ceiling": could_clip, "n_off_policy": n_off,
+                     "grad_norm": norm.item()})
     opt.zero_grad(set_to_none=True)         # the gradients' memory is free while the next rollout samples
     return summarise_minibatches(logs)
 
@@ -740,17 +686,15 @@ def rl_optimizer(model, cfg: Config):
 
 
 def train(cfg: Config, model, tokenizer, device, run, stop) -> dict:
-    """The whole run: supervised warm-up, `cfg.steps` GSPO steps, then the test set. `run` writes the
-    run folder and `stop` says when Ctrl-C asked to stop (plumbing, after main); a non-finite loss or
-    gradient raises `Diverged` before its update. Returns what summary.json holds."""
+    """The whole run: warm-up, `cfg.steps` GSPO steps, the test set; returns what summary.json holds. `run`
+    is the run folder (log, checkpoint, finish), `stop.requested` true after Ctrl-C (plumbing, after main)."""
     task = task_of(cfg)                            # 2-digit addition, or the rows of --data
     splits = make_splits(task, cfg.test_size, cfg.val_size)
     rng = random.Random(cfg.seed)                  # training prompts; the held-out splits are fixed
     eps_low, eps_high = resolved_eps(cfg)
     summary = run.new_summary(cfg, eps_low, eps_high)
     try:
-        # 1. Supervised warm-up until validation accuracy reaches cfg.warmup_target; then the test
-        #    accuracy it reached and the first checkpoint (the run folder appears in --out here).
+        # 1. Warm-up to cfg.warmup_target; its test accuracy; the first checkpoint (the folder appears).
         summary["warmup_steps"] = warmup(model, tokenizer, splits, cfg, device, rng, run, stop)
         if not stop.requested:                # after a Ctrl-C in the warm-up, straight to the end
             summary["accuracy_before_rl"] = accuracy(model, tokenizer, task, splits["test"], cfg.max_new_tokens, device)
@@ -760,19 +704,15 @@ def train(cfg: Config, model, tokenizer, device, run, stop) -> dict:
 
         # 2. GSPO: each step is one rollout and `minibatches` optimiser steps on it.
         opt, sched = rl_optimizer(model, cfg)
-        evaluate_at = eval_steps(cfg)                   # every eval_every steps, and the last
         for step in range(1, cfg.steps + 1):
             if stop.requested:
                 break
             t0 = time.perf_counter()
-            # Rollout: G completions for each of `prompts_per_step` fresh training problems.
             problems = sample_train_problems(splits, cfg.prompts_per_step, rng)
             batch = rollout(model, tokenizer, problems, cfg, device, task)
-            # Update: one clipped step per minibatch of whole groups; all but the first off-policy.
             m = rl_update(model, opt, batch, cfg, eps_low, eps_high)
             sched.step()                                 # the learning rate decays once per rollout
-            # Evaluate on the validation set, and checkpoint, every `eval_every` steps and at the end.
-            if step in evaluate_at:
+            if step % cfg.eval_every == 0 or step == cfg.steps:      # validation, and a checkpoint
                 m["val_acc"] = accuracy(model, tokenizer, task, splits["val"], cfg.max_new_tokens, device)
                 run.checkpoint(model, tokenizer)
             # Log: one object in metrics.jsonl and one progress line, the same names in both.
@@ -780,14 +720,15 @@ def train(cfg: Config, model, tokenizer, device, run, stop) -> dict:
             m.update(reward=batch["rewards"].mean().item(),
                      flat_groups=flat_group_share(batch["rewards"], cfg.group_size),
                      response_tokens=n_tok / len(batch["rewards"]), tokens_per_second=n_tok / dt, step_seconds=dt)
-            run.add_step(summary, step, n_tok, dt)
+            summary["rl_steps"], summary["rl_tokens"] = step, summary["rl_tokens"] + n_tok
+            summary["rl_seconds"] += dt
             run.log({"stage": "rl", "step": step, **m}, progress_line(step, cfg, m))
     except KeyboardInterrupt:                            # the second Ctrl-C: stop where we are
         pass
     except Diverged as err:                              # a non-finite loss or gradient: stop here
         summary["stop_reason"] = str(err)
     opt = sched = None          # AdamW's two moments (twice the weights) are not needed to evaluate
-    # 3. The end, after Ctrl-C too: a final checkpoint, the final model's test accuracy, summary.json.
+    # 3. The end, after Ctrl-C too: a final checkpoint, the test accuracy, summary.json, curves.png.
     return run.finish(summary, model, tokenizer, stop,
                       lambda: accuracy(model, tokenizer, task, splits["test"], cfg.max_new_tokens, device))
 
@@ -821,14 +762,33 @@ def main(argv: list[str] | None = None) -> int:
 
 
 # =============================================================================================
-# Nothing below is GSPO: the plumbing of a run. The story above calls only these entry points: Run, run_header,
-# progress_line (the run folder, its lines, its end), GracefulStop (Ctrl-C), Diverged, stop_if_not_finite (the
-# non-finite stop), BadInput, parse_config, prepare (the command line, its model), read_data (--data), eval_steps.
+# Nothing below is GSPO: the plumbing of a run. The story above calls only these entry points: Run (the run
+# folder: its log, checkpoint, new_summary and finish, curves.png), run_header and progress_line (its lines),
+# GracefulStop (Ctrl-C's flag, stop.requested), Diverged and finite_grad_norm (the non-finite stop), BadInput,
+# parse_config, prepare and load_pretrained (the command line, its model), read_data (--data).
 # =============================================================================================
+import argparse  # noqa: E402  the plumbing's own imports: the story above needs none of them
+import ast  # noqa: E402
+import contextlib  # noqa: E402
+import dataclasses  # noqa: E402
+import functools  # noqa: E402
+import inspect  # noqa: E402
+import json  # noqa: E402
+import math  # noqa: E402
+import os  # noqa: E402
+import re  # noqa: E402
+import shutil  # noqa: E402
+import signal  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+import textwrap  # noqa: E402
+import typing  # noqa: E402
+import weakref  # noqa: E402
+
 # --- The run folder: metrics.jsonl, atomic checkpoints, summary.json --------------------------
 MARKER = ".gspo_minimal_run"   # says "this script wrote this folder", so it may be replaced
 # all this script (or studies/trl_compare.py) writes into a run folder; anything else is the user's
-OURS = {MARKER, "metrics.jsonl", "summary.json", "summary.json.tmp", "checkpoint", "checkpoint.tmp",
+OURS = {MARKER, "metrics.jsonl", "summary.json", "summary.json.tmp", "curves.png", "checkpoint", "checkpoint.tmp",
         "checkpoint.old", "trl_output"}
 
 
@@ -1090,10 +1050,13 @@ class Run:
             summary["rl_tokens_per_second"] = summary["rl_tokens"] / max(summary["rl_seconds"], 1e-9)
             summary["wall_seconds"] = time.perf_counter() - self.t_start  # the whole run, set-up included
             self.write_summary(summary)
+            self.curves = draw_curves(self.dir)
         return summary
 
     def exit_code(self, summary: dict, script: str) -> int:
         """Print the run's last line (if it diverged, one error line) and return the exit code: 0, 130 (Ctrl-C) or 2."""
+        if getattr(self, "curves", None):        # drawn by `finish`, whichever way the run ended
+            print(f"curves: {os.path.join(self.given if self.promoted else self.given + '.incomplete', 'curves.png')}")
         if summary["stop_reason"]:
             print(f"{script}: error: {diverged_line(summary, self)}", file=sys.stderr)
             return 2
@@ -1106,6 +1069,38 @@ class Run:
         with open(tmp, "w") as f:    # every number in it is finite by construction: a NaN here
             json.dump(summary, f, indent=2, allow_nan=False)   # is a bug, and fails here
         os.replace(tmp, os.path.join(self.dir, "summary.json"))
+
+
+def draw_curves(folder: str) -> str | None:
+    """`folder`/curves.png from its metrics.jsonl, so that a run cut short by Ctrl-C or a non-finite step
+    has one too: the rollout reward, validation accuracy (the warm-up's at steps below 0) and the clipped
+    share of tokens, by RL step. matplotlib only here, without pyplot: no backend, no window, nothing at
+    import. Returns the path, or None where matplotlib is missing."""
+    try:
+        from matplotlib.figure import Figure
+    except ImportError:
+        return None
+    rows = []
+    with contextlib.suppress(FileNotFoundError), open(os.path.join(folder, "metrics.jsonl")) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    rl = [r for r in rows if r.get("stage") == "rl"]
+    warm = [r for r in rows if r.get("stage") == "warmup"]
+    last_warm = warm[-1]["step"] if warm else 0
+    fig = Figure(figsize=(12, 3.4), layout="constrained")
+    reward, acc, clip = fig.subplots(1, 3)
+    reward.plot([r["step"] for r in rl], [r["reward"] for r in rl], color="C0")
+    acc.plot([r["step"] - last_warm for r in warm], [r["val_acc"] for r in warm], "o-", color="0.6", ms=3,
+             label="warm-up")
+    acc.plot([r["step"] for r in rl if "val_acc" in r], [r["val_acc"] for r in rl if "val_acc" in r], "o-",
+             color="C1", ms=3, label="RL")
+    acc.legend(fontsize=8)
+    clip.plot([r["step"] for r in rl], [r["clip_tokens"] for r in rl], color="C2")
+    for ax, title in ((reward, "mean rollout reward"), (acc, "validation accuracy"), (clip, "clipped share of tokens")):
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel("RL step" + ("" if rl else " (the run stopped in its warm-up)"))
+    path = os.path.join(folder, "curves.png")
+    fig.savefig(path, dpi=90)
+    return path
 
 
 def run_header(cfg, model, device, task_name: str, memory_note: bool = True) -> str:
@@ -1240,8 +1235,9 @@ class Diverged(Exception):
     """A non-finite loss, gradient norm or weight: the run stops, and keeps its last checkpoint."""
 
 
-def stop_if_not_finite(where: str, loss: torch.Tensor, model) -> torch.Tensor:
-    """Raise Diverged unless loss and unclipped gradient norm are finite, before the optimiser step; return the norm."""
+def finite_grad_norm(model, loss: torch.Tensor, where: str) -> torch.Tensor:
+    """The unclipped gradient norm after loss.backward(); Diverged instead, before the optimiser step, where it
+    or the loss is not finite."""
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
     if not (math.isfinite(loss.item()) and math.isfinite(norm.item())):
@@ -1413,11 +1409,6 @@ def flag_of(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def eval_steps(cfg: Config) -> set[int]:
-    """The RL steps that end with a validation evaluation and a checkpoint: every --eval-every'th and the last."""
-    return {step for step in range(1, cfg.steps + 1) if step % cfg.eval_every == 0} | {cfg.steps}
-
-
 def validate(cfg: Config) -> None:
     """BadInput for anything the run would choke on later: every flag is checked here, before a model or file exists."""
     if cfg.loss not in LOSSES:
@@ -1551,6 +1542,17 @@ def unwritable_characters(tokenizer, task) -> str:
 
 def pick_device(cfg: Config) -> torch.device:
     return torch.device(("cuda" if torch.cuda.is_available() else "cpu") if cfg.device == "auto" else cfg.device)
+
+
+def load_pretrained(name_or_path: str):
+    """Any causal LM with its tokenizer, in float32, padded on the left (every prompt ends at one column)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(name_or_path)
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token is None:              # the completion mask comes from the first EOS, so
+        tokenizer.pad_token = tokenizer.eos_token  # pad == eos is harmless here (see completion_mask)
+    return AutoModelForCausalLM.from_pretrained(name_or_path, dtype=torch.float32), tokenizer
 
 
 def prepare(cfg: Config, task=None, make=None):

@@ -153,13 +153,13 @@ def test_the_copyable_functions_run_from_their_source_alone_with_only_torch():
              "cross_entropy": (new, mask), "perplexity": (new, mask), "form_gap": (new, old, mask),
              "clipped_surrogate": (torch.exp(new - old), adv.unsqueeze(-1), 0.2, 0.27),
              "clipped_on_active_side": (torch.exp(new - old), adv.unsqueeze(-1), 0.2, 0.27),
-             "per_token": (adv, new), "gspo_loss": (new, old, adv, mask),
+             "per_token": (adv, new), "at_least_float32": (new, old), "gspo_loss": (new, old, adv, mask),
              "gspo_token_loss": (new, old, adv, mask), "grpo_loss": (new, old, adv, mask)}
     defined = {k for k, v in namespace.items() if callable(v) and getattr(v, "__module__", None) == "copied"}
     assert defined == set(calls), defined ^ set(calls)
     for name, args in calls.items():
         ours, theirs = namespace[name](*args), getattr(minimal, name)(*args)
-        assert torch.equal(torch.as_tensor(ours), torch.as_tensor(theirs)), name
+        assert (ours is None and theirs is None) or torch.equal(torch.as_tensor(ours), torch.as_tensor(theirs)), name
     for bad in ((torch.ones(6), 1), (torch.ones(6), 4)):        # a bad argument: its own error, not a NameError
         with pytest.raises(ValueError, match="group_size"):
             namespace["group_advantages"](*bad)
@@ -291,6 +291,10 @@ def test_the_lab_at_its_defaults_writes_what_the_minimal_script_writes(loss, tmp
     assert minimal.main(argv + ["--out", str(tmp_path / "minimal")]) == 0
     assert g.main(argv + ["--out", str(tmp_path / "lab")]) == 0
     same_run(tmp_path / "minimal", tmp_path / "lab")
+    # the equality above compares the keys both write: the lab writes every key the script writes
+    for ours, labs in zip(written(tmp_path / "minimal")[0], written(tmp_path / "lab")[0]):
+        assert set(ours) <= set(labs), set(ours) - set(labs)
+    assert set(written(tmp_path / "minimal")[1]) <= set(written(tmp_path / "lab")[1])
     rl = [r for r in written(tmp_path / "lab")[0] if r["stage"] == "rl"]
     assert any(r["flat_groups"] < 1 for r in rl) and any(r["s_min"] < 1 for r in rl)   # a real, off-policy update
     assert loss != "gspo" or any(r["clip_tokens"] > 0 for r in rl)                      # GSPO's band clips here
@@ -1101,3 +1105,32 @@ def test_a_calibrated_band_moves_with_the_estimate_from_the_second_step_on(tmp_p
     assert k == pytest.approx(sigma ** 2 / 2) and sigma == pytest.approx(0.05, rel=0.5)   # from one step's dozen tokens
     assert math.isfinite(rl[1]["engine_k_hat_mean"]) and rl[1]["engine_k_hat_mean"] != k
     assert math.log1p(-3e-4) - k - 2 * sigma - 1e-6 <= rl[1]["engine_band_log_low"] < math.log1p(-3e-4) - k   # n >= 1; float32 bounds
+
+
+def test_the_labs_losses_and_sampler_refuse_what_the_scripts_refuse():
+    """The lab's twins of the three losses refuse bf16 log-probs, and its sampler a model that leaves
+    the KV cache empty, in the minimal script's words."""
+    from test_gspo_minimal import IgnoresTheCache
+    old, mask, adv = torch.zeros(2, 3), torch.ones(2, 3, dtype=torch.bool), torch.tensor([1.0, -1.0])
+    for loss in g.LOSS_FNS.values():
+        with pytest.raises(ValueError, match="rounds s to 1"):
+            loss(old.bfloat16(), old.bfloat16(), adv, mask)
+    tok = g.build_char_tokenizer()
+    torch.manual_seed(0)
+    model = IgnoresTheCache(g.build_tiny_model(tok))
+    ids, attn = g.encode_prompts(tok, ["07+45="] * 2, "cpu")
+    with pytest.raises(RuntimeError, match="KV cache"):
+        g.sample_completions(model, ids, attn, 3, tok.eos_token_id, tok.pad_token_id, with_logprobs=True)
+
+
+def test_the_lab_logs_the_approximate_kl_from_minibatch_1_when_pi_old_is_a_record(tmp_path):
+    """With a bf16 copy's record as pi_old every minibatch is off-policy, the first included: the
+    approximate KL then covers all of them (a test above holds it equal to the script's at defaults)."""
+    model, _, cfg, batch = tiny_rollout()
+    rec = dataclasses.replace(cfg, old_logprobs="sampler", minibatches=1, sampler_dtype="bfloat16")
+    batch["sampler_logprobs"] = batch["sampler_logprobs"] + 0.01 * batch["mask"]      # a known gap
+    m = g.rl_update(model, torch.optim.AdamW(model.parameters(), lr=1e-9), batch, rec, 3e-4, 4e-4)
+    # x = -0.01 at every token: e^x - 1 - x = 4.98e-5 (float64 of a float32 difference)
+    assert m["approx_kl"] == pytest.approx(math.expm1(-0.01) + 0.01, rel=1e-3)
+    one = dataclasses.replace(cfg, minibatches=1)
+    assert g.rl_update(model, torch.optim.AdamW(model.parameters(), lr=1e-9), batch, one, 3e-4, 4e-4)["approx_kl"] == 0.0

@@ -753,9 +753,10 @@ def patch_script(monkeypatch, name: str, make) -> None:
 
 
 # Keys the lab writes since the move where the earlier code wrote none: the clip shares by sign of A,
-# in every run since make figures-power (before, only where pi_old's record differed from the trainer).
+# in every run since make figures-power (before, only where pi_old's record differed from the trainer),
+# and PPO's approximate KL.
 ADDED_SINCE = ("clip_seqs_pos_adv", "clip_seqs_neg_adv", "clip_tokens_pos_adv", "clip_tokens_neg_adv",
-               "clip_seqs_by_sign_by_minibatch")
+               "clip_seqs_by_sign_by_minibatch", "approx_kl")
 
 
 def assert_same(a, b, where: str = "result", clock=()) -> None:

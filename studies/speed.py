@@ -64,7 +64,7 @@ class PartTimer:
         for name, part in (("sample_completions", "sampling"), ("rollout", "rollout"),
                            ("rl_update", "update"), ("group_policy_logprobs", grad_part),
                            ("ratio_metrics", "metrics"), ("summarise_minibatches", "metrics"),
-                           ("stop_if_not_finite", "optimiser")):
+                           ("finite_grad_norm", "optimiser")):
             self.wrap(g, name, part)
         for loss in list(g.LOSS_FNS):                 # the objective, as rl_update looks it up
             self.wrap(g.LOSS_FNS, loss, "update_forward")
