@@ -601,8 +601,8 @@ def group_chunks(n_rows: int, group_size: int, minibatches: int, device) -> list
 
 
 # PPO's approximate KL (CleanRL's `approx_kl`): KL(pi_old || pi_theta) ~ mean_t (e^x - 1 - x) >= 0, with
-# x = log pi_theta(y_t) - log pi_old(y_t). Under pi_old E[x] = -KL, so on average GSPO's log s = mean_t x
-# is -approx_kl: the drift that GSPO's band clips. In float64: float32 cancels to noise at |x| ~ 1e-4.
+# x = log pi_theta(y_t) - log pi_old(y_t) before the step. Under pi_old E[x] = -KL: the mean log s (not s_mean)
+# is about -approx_kl, the drift GSPO's band clips. float64: CleanRL's (e^x - 1) - x in float32 is noise at 1e-4.
 def ratio_metrics(logp_new, logp_old, adv, mask, loss: str, eps_low: float, eps_high: float) -> dict:
     """A minibatch's s (B,), its forms' largest disagreement, and counts. A token is clipped when its term
     is on the min's clipped, zero-gradient side; a clipped GSPO response clips all its tokens (as verl
@@ -668,7 +668,7 @@ def rl_update(model, opt, batch: dict, cfg: Config, eps_low: float, eps_high: fl
         # n_clip_ceiling, the tokens that could clip: chunk 1 is on-policy (s = 1), and A = 0 never clips
         n_off = 0 if k == 0 else mask.sum().item()
         could_clip = 0 if k == 0 else (mask & (adv != 0).unsqueeze(-1)).sum().item()
-        logs.append({**ratio_metrics(logp_new.detach(), logp_old, adv, mask, cfg.loss, eps_low, eps_high),
+        logs.append({**ratio_metrics(logp_new.detach(), logp_old, adv, mask, cfg.loss, eps_low, eps_high),  # pre-step
                      "loss": loss.item(), "n_clip_ceiling": could_clip, "n_off_policy": n_off,
                      "grad_norm": norm.item()})
     opt.zero_grad(set_to_none=True)         # the gradients' memory is free while the next rollout samples
