@@ -371,8 +371,8 @@ def perplexity(logp, mask) -> torch.Tensor:
 
 # gap_i = max(|(PPL_old/PPL_new) / s - 1|, |exp(H_old - H_new) / s - 1|)
 def form_gap(logp_new, logp_old, mask) -> torch.Tensor:
-    """How far the three forms of s disagree, per row (B,). Equal in exact arithmetic, so this is
-    round-off: about 1e-7 in float32, growing with |H| and |y|; NaN where a PPL overflows."""
+    """How far the three forms of s disagree, per row (B,), logged as a diagnostic. Equal in exact arithmetic,
+    so this is round-off: about 1e-7 in float32, growing with |H| and |y|; NaN where a PPL overflows."""
     s = importance_ratio(logp_new, logp_old, mask)                          # (B,)
     s_ppl = perplexity(logp_old, mask) / perplexity(logp_new, mask)          # PPL_old / PPL_new
     s_ent = torch.exp(cross_entropy(logp_old, mask) - cross_entropy(logp_new, mask))
@@ -430,7 +430,7 @@ def gspo_token_loss(logp_new, logp_old, advantages, mask, eps_low: float = 3e-4,
     at_least_float32(logp_new, logp_old)
     keep = mask != 0
     s = importance_ratio(logp_new, logp_old, mask).detach()            # (B,), sg[s_i]
-    own = torch.where(keep, logp_new - logp_new.detach(), torch.zeros_like(logp_new))  # 0, grad 1
+    own = torch.where(keep, logp_new - logp_new.detach(), torch.zeros_like(logp_new))  # value 0, grad of log pi
     s_tok = s.unsqueeze(-1) * torch.exp(own)                           # (B, T), value s_i
     per_tok = clipped_surrogate(s_tok, per_token(advantages, s_tok), eps_low, eps_high)
     return -masked_mean(per_tok, keep).mean()
@@ -503,8 +503,8 @@ def group_policy_logprobs(model, prompt_ids, prompt_mask, completions, group_siz
     if T > 1:
         cache_was_filled(cache, "group_policy_logprobs")
         cache.batch_repeat_interleave(G)
-        rest = model(input_ids=completions[:, :-1], attention_mask=attn[:, :-1],
-                     position_ids=pos[:, P:-1], cache=cache, use_cache=True).logits  # (B, T-1, V)
+        rest = model(input_ids=completions[:, :-1], attention_mask=attn[:, :-1],     # y_1..y_{T-1} after the
+                     position_ids=pos[:, P:-1], cache=cache, use_cache=True).logits  # P cached: (B, T-1, V)
         logits = torch.cat([logits, rest], dim=1)                               # (B, T, V): y_1..y_T
     if temperature:
         logits = logits / temperature
@@ -609,7 +609,7 @@ def ratio_metrics(logp_new, logp_old, adv, mask, loss: str, eps_low: float, eps_
     counts), so that `n_clip_tokens` means the same for GSPO and GRPO."""
     keep = mask != 0
     s = importance_ratio(logp_new, logp_old, mask)                          # (B,)
-    seq_clipped = clipped_on_active_side(s, adv, eps_low, eps_high)         # (B,)
+    seq_clipped = clipped_on_active_side(s, adv, eps_low, eps_high)         # (B,); GSPO's (for GRPO, s on its band)
     log_w = torch.where(keep, logp_new - logp_old, torch.zeros_like(logp_new))          # (B, T)
     if loss == "grpo":                                                      # each token's own ratio
         tok_clipped = clipped_on_active_side(torch.exp(log_w), adv.unsqueeze(-1), eps_low, eps_high) & keep
