@@ -984,7 +984,7 @@ class Run:
         os.makedirs(self.dir)
         with open(os.path.join(self.dir, MARKER), "w") as f:
             f.write(str(os.getpid()))
-        self.promoted = False
+        self.promoted, self.curves = False, None         # curves: curves.png's path once `finish` drew it
 
     def log(self, record: dict, line: str | None = None) -> None:
         record = {**record, "elapsed": time.perf_counter() - self.t_start,   # seconds since start
@@ -1055,7 +1055,7 @@ class Run:
 
     def exit_code(self, summary: dict, script: str) -> int:
         """Print the run's last line (if it diverged, one error line) and return the exit code: 0, 130 (Ctrl-C) or 2."""
-        if getattr(self, "curves", None):        # drawn by `finish`, whichever way the run ended
+        if self.curves:                         # drawn by `finish`, whichever way the run ended
             print(f"curves: {os.path.join(self.given if self.promoted else self.given + '.incomplete', 'curves.png')}")
         if summary["stop_reason"]:
             print(f"{script}: error: {diverged_line(summary, self)}", file=sys.stderr)

@@ -537,10 +537,10 @@ def sign_flip_counts(ks: list[int]) -> dict[int, int]:
 
 
 def exact_sign_flip_p(diffs: list[float], grid: int | None = None, flips: int = 10_000,
-                      seed: int = 0) -> tuple[float, str]:
+                      seed: int = 0, enumerate_up_to: int = EXACT_ENUMERATE_UP_TO) -> tuple[float, str]:
     """(two-sided p, how it was computed) of the sign-flip test of mean(diffs): exact by dynamic
     programming over integer sums when every difference is a multiple of 1/grid; exact by
-    enumeration up to EXACT_ENUMERATE_UP_TO differences; else `flips` random patterns from `seed`
+    enumeration up to `enumerate_up_to` differences; else `flips` random patterns from `seed`
     (plus the observed one), which is an estimate and says so."""
     n = len(diffs)
     ks = on_grid(diffs, grid)
@@ -551,7 +551,7 @@ def exact_sign_flip_p(diffs: list[float], grid: int | None = None, flips: int = 
     import numpy as np
     d = np.asarray(diffs, dtype=np.float64)
     observed = abs(d.sum()) - 1e-12 * max(1.0, np.abs(d).sum())     # ties count as extreme
-    if n <= EXACT_ENUMERATE_UP_TO:
+    if n <= enumerate_up_to:
         signs = 1 - 2 * ((np.arange(2 ** n)[:, None] >> np.arange(n)) & 1)          # every pattern
         return float((np.abs(signs @ d) >= observed).mean()), f"exact: all 2^{n} sign patterns enumerated"
     signs = np.random.default_rng(seed).choice([-1.0, 1.0], size=(flips, n))

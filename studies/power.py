@@ -61,16 +61,9 @@ def score_run(summary: dict) -> tuple[float, bool]:
 def sign_flip_p(diffs: list[float], flips: int = FLIPS, seed: int = SEED) -> float:
     """Two-sided p of the mean paired difference under the null that each seed's sign is a fair coin:
     the share of sign patterns whose |sum| reaches the observed one (every pattern when there are at
-    most 2^EXACT_UP_TO, else `flips` random ones and the observed, as a permutation p counts it)."""
-    import numpy as np
-    d = np.asarray(diffs, dtype=np.float64)
-    n = len(d)
-    observed = abs(d.sum()) - 1e-12 * max(1.0, np.abs(d).sum())     # ties count as extreme
-    if n <= EXACT_UP_TO:
-        signs = 1 - 2 * ((np.arange(2 ** n)[:, None] >> np.arange(n)) & 1)          # every pattern
-        return float((np.abs(signs @ d) >= observed).mean())
-    signs = np.random.default_rng(seed).choice([-1.0, 1.0], size=(flips, n))
-    return float(((np.abs(signs @ d) >= observed).sum() + 1) / (flips + 1))
+    most 2^EXACT_UP_TO, else `flips` random ones and the observed, as a permutation p counts it). The
+    design's test: `exact_sign_flip_p` off any grid, enumerating up to EXACT_UP_TO differences."""
+    return exact_sign_flip_p(diffs, None, flips, seed, enumerate_up_to=EXACT_UP_TO)[0]
 
 
 def bootstrap_mean_interval(diffs: list[float], n_boot: int = 10_000, seed: int = SEED, level: float = 0.95) -> list[float]:
@@ -81,13 +74,19 @@ def bootstrap_mean_interval(diffs: list[float], n_boot: int = 10_000, seed: int 
     return [float(np.quantile(means, (1 - level) / 2)), float(np.quantile(means, (1 + level) / 2))]
 
 
+def holm_thresholds(pvalues: dict[str, float], alpha: float = ALPHA) -> dict[str, float]:
+    """Each p's threshold in Holm's step-down: alpha / (m - k + 1) for the k-th smallest (ties in the
+    given order)."""
+    order = sorted(pvalues, key=pvalues.get)
+    return {name: alpha / (len(order) - k) for k, name in enumerate(order)}
+
+
 def holm(pvalues: dict[str, float], alpha: float = ALPHA) -> dict[str, bool]:
     """Holm's step-down: sorted p_(1) <= ... <= p_(m), call while p_(k) <= alpha / (m - k + 1), stop at
     the first that is not. Controls the family-wise error at alpha under any dependence."""
-    order = sorted(pvalues, key=pvalues.get)
     called, going = {}, True
-    for k, name in enumerate(order):
-        going = going and pvalues[name] <= alpha / (len(order) - k)
+    for name, threshold in holm_thresholds(pvalues, alpha).items():
+        going = going and pvalues[name] <= threshold
         called[name] = going
     return called
 
@@ -576,10 +575,10 @@ def add_exact(record: dict) -> dict:
     for v in contrasts.values():
         v["p_exact"], v["p_exact_method"] = exact_sign_flip_p(v["differences_by_seed"], grid, FLIPS, SEED)
     primary = {n: v["p_exact"] for n, v in contrasts.items() if v["family"] == "primary"}
-    order = sorted(primary, key=primary.get)
+    thresholds = holm_thresholds(primary)
     for n, is_called in holm(primary).items():
         contrasts[n]["called_exact"] = is_called
-        contrasts[n]["holm_threshold_exact"] = ALPHA / (len(order) - order.index(n))
+        contrasts[n]["holm_threshold_exact"] = thresholds[n]
     for v in contrasts.values():
         v.setdefault("called_exact", None)
     record["exact_p"] = {**g.provenance(EXACT_COMMAND, time.perf_counter() - t0, g.tree_state([POWER_JSON])),
