@@ -316,10 +316,8 @@ def sample_completions(model, prompt_ids, prompt_mask, max_new_tokens: int, eos_
     sampling is in view and the temperature matches `policy_logprobs` by construction. Greedy
     output equals generate's token for token (test_hand_written_sampler_matches_generate_when_greedy;
     `python studies/speed.py sampler` times the two). Stopped rows keep receiving `pad_id`; the loop
-    ends when every row has stopped. A model that leaves the cache empty is refused (`cache_was_filled`).
+    ends when every row has stopped. A model that leaves the cache empty is refused (`grouped_prompt_pass`).
     """
-    from transformers import DynamicCache
-
     G = group_size
     step = max(G, rows // G * G) if rows else len(prompt_ids)
     if step < len(prompt_ids):
@@ -332,14 +330,9 @@ def sample_completions(model, prompt_ids, prompt_mask, max_new_tokens: int, eos_
         out = [torch.cat([torch.nn.functional.pad(p[k], (0, T - p[k].shape[1]), value=fill) for p in pieces])
                for k, fill in zip(range(len(pieces[0])), (pad_id, 0.0))]
         return tuple(out) if with_logprobs else out[0]
-    cache = DynamicCache(config=model.config)
     attn = prompt_mask.long()                                  # (B, P), 0 on left padding
     pos = (attn.cumsum(-1) - 1).clamp(min=0)                   # (B, P), positions skip the padding
-    logits = model(input_ids=prompt_ids[::G], attention_mask=attn[::G], position_ids=pos[::G],
-                   cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1]   # (B/G, V)
-    cache_was_filled(cache, "sample_completions")
-    logits = logits.repeat_interleave(G, dim=0)                # (B, V)
-    cache.batch_repeat_interleave(G)                           # every cached tensor: B/G -> B rows
+    logits, cache = grouped_prompt_pass(model, prompt_ids, attn, pos, G, "sample_completions")   # (B, V)
     done = torch.zeros(len(prompt_ids), dtype=torch.bool, device=prompt_ids.device)
     out, record = [], []
     for _ in range(max_new_tokens):
@@ -728,6 +721,16 @@ def engine_differs(cfg: Config) -> bool:
 KL_ELEMENTS = 2 ** 22      # logits per piece of `engine_kl_tokens`: 32 MiB in float64, any vocabulary
 
 
+def completion_logits(model, prompt_ids, prompt_mask, completions) -> torch.Tensor:
+    """The logits (B, T, V) that predict each completion token: gspo_minimal.policy_logprobs' one pass,
+    before its log-softmax (a test holds the two equal), for a KL over the whole vocabulary."""
+    ids = torch.cat([prompt_ids, completions], dim=1)                    # (B, P+T)
+    attn = torch.cat([prompt_mask.long(), torch.ones_like(completions)], dim=1)
+    pos = (attn.cumsum(-1) - 1).clamp(min=0)
+    return model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=False,
+                 logits_to_keep=completions.shape[1] + 1).logits[:, :-1]   # (B, T, V): predicts y_1..y_T
+
+
 # The engine gap, exactly: at each position the sampler draws from q_t, the trainer holds p_t, and
 #   KL(q_t || p_t) = sum_v q_t(v) (log q_t(v) - log p_t(v)) >= 0     over the whole vocabulary.
 # The sampled token's gap d_t = log p_t(y_t) - log q_t(y_t) has mean E_q[d_t] = -KL(q_t || p_t): a
@@ -890,6 +893,13 @@ def summarise_minibatches(logs: list[dict]) -> dict:
             "update_size_by_minibatch": [m["sum_old_minus_new"] / max(m["n_tokens"], 1) for m in logs],
             "abs_log_s_q": [m["abs_log_s_q"] for m in logs],
             "abs_token_log_ratio_q": [m["abs_token_log_ratio_q"] for m in logs]}
+
+
+def flat_group_share(rewards: torch.Tensor, group_size: int) -> float:
+    """Share of groups whose rewards are all equal: their advantages are 0, they teach nothing (gspo_minimal's
+    `flat_groups`, read there from the advantages; the equality tests hold the two)."""
+    r = rewards.reshape(-1, group_size)                                     # (B/G, G)
+    return (r == r[:, :1]).all(1).float().mean().item()
 
 
 def micro_batches(idx: torch.Tensor, rows: int) -> list[torch.Tensor]:

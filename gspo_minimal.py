@@ -2,14 +2,12 @@
 
     python gspo_minimal.py                 # the default run (`make train`): 1.05M-parameter model, 2-digit addition
     python gspo_minimal.py --loss grpo     # the same run with GRPO's token-level objective
-    python gspo_minimal.py --data f.jsonl  # your own problems: a JSONL file of prompts and answers
-    python gspo_minimal.py --model DIR     # any Hugging Face causal LM (a hub id or a local folder)
+    python gspo_minimal.py --data f.jsonl  # your own problems (JSONL); --model DIR: any Hugging Face causal LM
     python gspo_minimal.py --help          # every hyperparameter, with its meaning
 
-GSPO (Zheng et al., "Group Sequence Policy Optimization", arXiv 2507.18071, eq. 7) weights every
-sampled response y by the length-normalised sequence ratio s; written with the response's per-token
-cross-entropy H(y) = -(1/|y|) sum_t log pi(y_t|x,y_<t) and its perplexity PPL = exp(H) (Chi Liu,
-"Rethinking GSPO: The Perplexity-Entropy Equivalence", arXiv 2510.23142), the same number is
+GSPO (Zheng et al., "Group Sequence Policy Optimization", arXiv 2507.18071, eq. 7) weights each sampled response
+y by the length-normalised sequence ratio s. With y's per-token cross-entropy H(y) = -(1/|y|) sum_t log pi(y_t|x,y_<t)
+and perplexity PPL = exp(H) (Chi Liu, "Rethinking GSPO: The Perplexity-Entropy Equivalence", arXiv 2510.23142):
 
     s = (pi_new(y|x) / pi_old(y|x)) ** (1/|y|) = PPL_old(y) / PPL_new(y) = exp(H_old(y) - H_new(y))
 
@@ -28,13 +26,11 @@ One GSPO step, as `train` runs it after a supervised `warmup`:
                               the clipped shares and PPO's approximate KL)
   4. accuracy               every eval_every steps, greedy answers on the validation set
 
-Needs torch >= 2.6 (clip_grads_with_norm_) and transformers >= 5.0 (`cache=`, `dtype=`), as read
-from the APIs it calls (tested at requirements.txt's pins only). The functions from `group_advantages`
-to `grpo_loss` need only torch: copy them as they are. The lab, gspo_lab.py, imports this file and
-holds GSPO's relatives, other samplers and tasks. Simplifications, each named again where it happens:
-a tiny model (4 layers, width 128) that trains in four minutes on two CPU cores; a supervised warm-up
-first (RL learns only from groups with some successes); no KL penalty or reference model (the paper
-omits the KL term "for brevity"); the advantage's std gets an eps of 1e-6, as verl's.
+Needs torch >= 2.6 (clip_grads_with_norm_) and transformers >= 5.0 (`cache=`, `dtype=`), read from the
+APIs it calls and tested at requirements.txt's pins only. `group_advantages` to `grpo_loss` need only torch:
+copy them as they are. gspo_lab.py imports this file and holds GSPO's relatives, samplers and tasks.
+Simplified, as said where it happens: a tiny model (4 layers, width 128); a supervised warm-up first; no
+KL penalty or reference model (the paper omits it "for brevity"); the advantage's std gets verl's eps 1e-6.
 """
 
 from __future__ import annotations
@@ -46,20 +42,16 @@ from dataclasses import dataclass
 import torch
 
 
-# ---------------------------------------------------------------------------------------------
-# Hyperparameters. The string under each field is its --help text (the command line at the end).
-# ---------------------------------------------------------------------------------------------
+# --- Hyperparameters: the string under each field is its --help text ------------------------------
 @dataclass
 class Config:
     """the algorithm's flags (gspo_minimal.py takes these)"""
     loss: str = "gspo"
     """objective: gspo (sequence ratio, eq. 5), gspo-token (eqs. 13-14) or grpo (token ratio, eq. 2)"""
     data: str = ""
-    """your own problems instead of 2-digit addition: a JSONL file, one {"prompt": ..., "answer": ...}
-    a line (--test-size and --val-size rows held out); the built-in model writes digits and + * = | only"""
+    """your own problems: a JSONL file of {"prompt": ..., "answer": ...} lines (the built-in model writes 0-9+*=|)"""
     reward: str = "exact"
-    """reward of --data: exact (the stripped completion is the answer) or last-number (its last
-    number is; integer answers); EOS required either way"""
+    """--data's reward: exact (the stripped completion is the answer) or last-number (its last number is)"""
     model: str = ""
     """Hugging Face causal LM with its tokenizer: a hub id or a local folder; empty: the built-in tiny model"""
     no_chat_template: bool = False
@@ -110,8 +102,6 @@ class Config:
     """CPU threads for torch (0: torch's default; at most 4 per core)"""
 
 
-LOSSES = ("gspo", "gspo-token", "grpo")
-REWARDS = ("exact", "last-number")      # --data's
 DEFAULT_EPS = {"gspo": (3e-4, 4e-4), "gspo-token": (3e-4, 4e-4), "grpo": (0.2, 0.27)}
 
 
@@ -121,16 +111,13 @@ def resolved_eps(cfg: Config) -> tuple[float, float]:
     return (low if cfg.eps_low is None else cfg.eps_low, high if cfg.eps_high is None else cfg.eps_high)
 
 
-# ---------------------------------------------------------------------------------------------
-# Task and reward: 2-digit addition. A problem is a pair: the operands (a, b) for add2; with --data,
-# a row's (prompt, answer) (`DataTask`, after main, has the same methods).
-# ---------------------------------------------------------------------------------------------
+# --- Task and reward: 2-digit addition ------------------------------------------------------------
+# A problem is a pair: the operands (a, b) for add2; with --data, a row's (prompt, answer).
 DATA_SEED = 1234  # fixed: every run, whatever its --seed, is scored on the same test problems
 
 
 class Add2:
-    """a + b for a, b < 100, asked '07+45=' (operands zero-padded: every prompt has one length) and
-    answered '52' then EOS. The lab's other tasks change `n` and `op` (mul2 asks '07*45=')."""
+    """a + b for a, b < 100, asked '07+45=' (zero-padded: every prompt has one length), answered '52' then EOS."""
     name, n, op = "add2", 100, "+"
     characters = "0123456789+*="          # the tokenizer's; '*' (the lab's mul2's) is unused here, kept as
                                           # one character less would change the tiny model's initial weights
@@ -164,11 +151,6 @@ class Add2:
 ADD2 = Add2()
 
 
-def task_of(cfg: Config):
-    """A run's problems: the rows of --data (read once per process), or 2-digit addition."""
-    return read_data(cfg.data, cfg.reward) if cfg.data else ADD2
-
-
 def make_splits(task, test_size: int, val_size: int) -> dict:
     """The fixed test set first, then validation; training later samples only from the rest."""
     if test_size + val_size > task.room():
@@ -192,8 +174,7 @@ def sample_train_problems(splits: dict, k: int, rng: random.Random) -> list[tupl
 
 
 def reward(completion_ids: list[int], answer: str, tokenizer, *, task=ADD2) -> float:
-    """The task's score of the text before the first EOS; 0.0 for a completion that never stops, so
-    that the policy learns to end its answers."""
+    """The task's score of the text before the first EOS; 0.0 without an EOS, so that the policy learns to stop."""
     eos = tokenizer.eos_token_id
     if eos not in completion_ids:
         return 0.0
@@ -201,9 +182,7 @@ def reward(completion_ids: list[int], answer: str, tokenizer, *, task=ADD2) -> f
                       answer)
 
 
-# ---------------------------------------------------------------------------------------------
-# Tokenizer and model: one token per character and a tiny Llama built from a config (no download).
-# ---------------------------------------------------------------------------------------------
+# --- Tokenizer and model: a token per character, a tiny Llama from a config (no download) ---------
 def build_char_tokenizer(task=ADD2):
     """<pad>, <eos>, <unk> and a token per character of `task.characters` (16 tokens for add2). pad !=
     eos on purpose: a mask built from `tokens != pad` would drop the EOS and the model never learn to stop."""
@@ -246,39 +225,35 @@ def build(cfg: Config, device, task):
     return model.to(device), tokenizer
 
 
-# ---------------------------------------------------------------------------------------------
-# Sampling: G completions per prompt with a KV cache; the completion mask from the first EOS.
-# ---------------------------------------------------------------------------------------------
+# --- Sampling: G completions per prompt with a KV cache; the mask from the first EOS --------------
 def completion_mask(completions: torch.Tensor, eos_id: int) -> torch.Tensor:
-    """(B, T) int -> (B, T) bool: True up to and including the first EOS of each row (all True for a
-    row that never stops). Built from EOS positions, never from `!= pad`."""
+    """(B, T) int -> (B, T) bool: True up to and including each row's first EOS (all of a row without one)."""
     is_eos = completions == eos_id
     eos_before = (is_eos.cumsum(-1) - is_eos.long()) > 0   # an EOS strictly earlier in the row
     return ~eos_before
 
 
-def cache_was_filled(cache, where: str) -> None:
-    """A model that ignores `cache=` leaves it empty: every later token would lose its prompt. Refuse."""
+def grouped_prompt_pass(model, prompt_ids, attn, pos, group_size: int, where: str):
+    """Each group's prompt run once: the logits after it and its KV cache, repeated for the G rows. A model
+    that ignores `cache=` leaves the cache empty, and every later token would lose its prompt: refused."""
+    from transformers import DynamicCache
+
+    G, cache = group_size, DynamicCache(config=model.config)
+    logits = model(input_ids=prompt_ids[::G], attention_mask=attn[::G], position_ids=pos[::G],
+                   cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1]   # (B/G, V)
     if cache.get_seq_length() == 0:
         raise RuntimeError(f"{where}: the model left the KV cache passed as cache= empty (transformers >= 5.0 needed)")
+    cache.batch_repeat_interleave(G)                           # every cached tensor: B/G -> B rows
+    return logits.repeat_interleave(G, dim=0), cache           # (B, V)
 
 
 @torch.no_grad()
 def sample_completions(model, prompt_ids, prompt_mask, max_new_tokens: int, eos_id: int,
                        pad_id: int, *, temperature: float = 1.0, group_size: int = 1) -> torch.Tensor:
-    """One completion per row, (B, T) token ids, T <= max_new_tokens; temperature=0 means greedy decoding.
-    Rows come in groups of `group_size` identical prompts: each runs once, its KV cache repeated G times."""
-    from transformers import DynamicCache
-
-    G = group_size
-    cache = DynamicCache(config=model.config)
+    """One completion per row, (B, T) ids, T <= max_new_tokens, in groups of `group_size`; temperature=0: greedy."""
     attn = prompt_mask.long()                                  # (B, P), 0 on left padding
     pos = (attn.cumsum(-1) - 1).clamp(min=0)                   # (B, P), positions skip the padding
-    logits = model(input_ids=prompt_ids[::G], attention_mask=attn[::G], position_ids=pos[::G],
-                   cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1]   # (B/G, V)
-    cache_was_filled(cache, "sample_completions")
-    logits = logits.repeat_interleave(G, dim=0)                # (B, V)
-    cache.batch_repeat_interleave(G)                           # every cached tensor: B/G -> B rows
+    logits, cache = grouped_prompt_pass(model, prompt_ids, attn, pos, group_size, "sample_completions")
     done = torch.zeros(len(prompt_ids), dtype=torch.bool, device=prompt_ids.device)
     out = []
     for _ in range(max_new_tokens):
@@ -299,9 +274,7 @@ def sample_completions(model, prompt_ids, prompt_mask, max_new_tokens: int, eos_
     return torch.stack(out, dim=1)                             # (B, T)
 
 
-# ---------------------------------------------------------------------------------------------
-# Group advantages (GSPO eq. 6), token log-probs and the masked mean every ratio is built from.
-# ---------------------------------------------------------------------------------------------
+# --- Group advantages (GSPO eq. 6), token log-probs, the masked mean ------------------------------
 # A_i = (r_i - mean(r_1..r_G)) / (std(r_1..r_G) + eps),  std Bessel-corrected (TRL, verl).
 def group_advantages(rewards: torch.Tensor, group_size: int, *, eps: float = 1e-6) -> torch.Tensor:
     """rewards (B,), laid out group after group -> advantages (B,). A group whose rewards are all equal
@@ -317,18 +290,14 @@ def group_advantages(rewards: torch.Tensor, group_size: int, *, eps: float = 1e-
 # log pi(y_t | x, y_<t) = log_softmax(logits_t)[y_t]
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, *,
                    chunk_elements: int = 2 ** 22) -> torch.Tensor:
-    """logits (B, T, V), tokens (B, T) -> (B, T) log-probs, float32 at least (bf16 rounds them to ~0.01
-    nats, far coarser than GSPO's band of 3e-4 on log s), in chunks of `chunk_elements` logits so that
-    a real vocabulary never needs a float32 copy of the whole (B, T, V): the same result."""
+    """logits (B, T, V), tokens (B, T) -> (B, T) log-probs in float32 at least (bf16's ~0.01 nats dwarf GSPO's
+    3e-4 band), `chunk_elements` logits at a time: a real vocabulary never needs a float32 (B, T, V)."""
     B, T, V = logits.shape
     dtype = torch.promote_types(logits.dtype, torch.float32)
     flat, idx = logits.reshape(B * T, V), tokens.reshape(B * T, 1).long()     # (B*T, V), (B*T, 1)
     rows = max(1, chunk_elements // max(V, 1))                                  # positions per chunk
-    out = torch.empty(B * T, 1, dtype=dtype, device=logits.device)            # (B*T, 1), preallocated
-    for start in range(0, B * T, rows):
-        part = slice(start, start + rows)
-        out[part] = torch.log_softmax(flat[part].to(dtype), dim=-1).gather(-1, idx[part])
-    return out.reshape(B, T)
+    return torch.cat([torch.log_softmax(flat[i:i + rows].to(dtype), dim=-1).gather(-1, idx[i:i + rows])
+                      for i in range(0, B * T, rows)]).reshape(B, T)
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int = -1) -> torch.Tensor:
@@ -339,12 +308,10 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int = -1) -> torch.Ten
     return total / keep.sum(dim).clamp(min=1).to(x.dtype)
 
 
-# ---------------------------------------------------------------------------------------------
-# The ratio identities. With delta_t = log pi_new(y_t) - log pi_old(y_t):
+# --- The ratio identities, with delta_t = log pi_new(y_t) - log pi_old(y_t) -----------------------
 #   log s = (1/|y|) sum_t delta_t = H_old(y) - H_new(y)        (a mean of per-token log-ratios)
 #   s = exp(log s) = PPL_old(y) / PPL_new(y) = exp(H_old - H_new)
 # Everything stays in log space: a product of |y| token probabilities underflows for long y.
-# ---------------------------------------------------------------------------------------------
 def sequence_log_ratio(logp_new, logp_old, mask) -> torch.Tensor:
     """log s_i = (1/|y_i|) sum_t (logp_new - logp_old): (B, T) inputs -> (B,)."""
     return masked_mean(logp_new - logp_old, mask)
@@ -358,8 +325,7 @@ def importance_ratio(logp_new, logp_old, mask) -> torch.Tensor:
 
 # H(y) = -(1/|y|) sum_t log pi(y_t | x, y_<t)
 def cross_entropy(logp, mask) -> torch.Tensor:
-    """Per-token cross-entropy of the SAMPLED sequence (B,), in nats. Not the Shannon entropy
-    -sum_v p(v) log p(v) of the policy: it scores the one response that was sampled."""
+    """Per-token cross-entropy of the SAMPLED sequence (B,), in nats; not the policy's entropy -sum_v p log p."""
     return -masked_mean(logp, mask)
 
 
@@ -379,11 +345,9 @@ def form_gap(logp_new, logp_old, mask) -> torch.Tensor:
     return torch.maximum((s_ppl / s - 1).abs(), (s_ent / s - 1).abs())
 
 
-# ---------------------------------------------------------------------------------------------
-# The objectives: losses to MINIMISE (the paper's J, sign flipped), one term per sequence (a token mean
-# for GRPO), mean over the B sequences. PPO's min(r A, clip(r, 1-eps_low, 1+eps_high) A) stops the
-# gradient only on the side that would gain by moving on: r > 1+eps_high if A > 0, r < 1-eps_low if A < 0.
-# ---------------------------------------------------------------------------------------------
+# --- The objectives: losses to MINIMISE (the paper's J, sign flipped) -----------------------------
+# One term per sequence (a token mean for GRPO), mean over the B sequences. PPO's min(r A, clip(r, 1-eps_low,
+# 1+eps_high) A) stops the gradient only where moving on gains: r > 1+eps_high if A > 0, r < 1-eps_low if A < 0.
 def clipped_surrogate(ratio, adv, eps_low: float, eps_high: float) -> torch.Tensor:
     """min(r A, clip(r, 1-eps_low, 1+eps_high) A), elementwise; r and A broadcast together."""
     return torch.minimum(ratio * adv, ratio.clamp(1 - eps_low, 1 + eps_high) * adv)
@@ -411,9 +375,8 @@ def at_least_float32(*logps: torch.Tensor) -> None:
 # J_GSPO = (1/G) sum_i min(s_i A_i, clip(s_i, 1-eps_low, 1+eps_high) A_i)                (eq. 5)
 def gspo_loss(logp_new, logp_old, advantages, mask, eps_low: float = 3e-4, eps_high: float = 4e-4
               ) -> torch.Tensor:
-    """GSPO: one clipped term per sequence, mean over sequences. (B, T) log-probs, (B,) advantages. Its
-    gradient (eq. 10), s_i A_i (1/|y_i|) sum_t grad log pi(y_it) unclipped, gives every token of a response
-    one weight. An empty row adds nothing (the clipped term at s = 1 would add A) but counts in the 1/B."""
+    """GSPO, (B, T) log-probs and (B,) advantages; an empty row adds 0 but counts in the 1/B. Unclipped, its
+    gradient (eq. 10) s_i A_i (1/|y_i|) sum_t grad log pi(y_it) weights every token of a response alike."""
     at_least_float32(logp_new, logp_old)
     s = importance_ratio(logp_new, logp_old, mask)                     # (B,)
     per_seq = clipped_surrogate(s, advantages, eps_low, eps_high)      # (B,)
@@ -424,9 +387,8 @@ def gspo_loss(logp_new, logp_old, advantages, mask, eps_low: float = 3e-4, eps_h
 # J = (1/G) sum_i (1/|y_i|) sum_t min(s_it A_it, clip(s_it, 1-eps_low, 1+eps_high) A_it)
 def gspo_token_loss(logp_new, logp_old, advantages, mask, eps_low: float = 3e-4,
                     eps_high: float = 4e-4) -> torch.Tensor:
-    """GSPO-token: every s_it has the VALUE s_i (so clipping is decided per sequence) and the
-    GRADIENT s_i * grad log pi(y_it), which lets each token carry its own advantage A_it, (B,) or
-    (B, T). With A_it = A_i it equals GSPO in value and gradient (eqs. 15-17)."""
+    """Each s_it has the VALUE s_i (clipping is per sequence) and the GRADIENT s_i grad log pi(y_it), so a token may
+    carry its own advantage A_it ((B,) or (B, T)); with A_it = A_i, GSPO's value and gradient (eqs. 15-17)."""
     at_least_float32(logp_new, logp_old)
     keep = mask != 0
     s = importance_ratio(logp_new, logp_old, mask).detach()            # (B,), sg[s_i]
@@ -452,36 +414,27 @@ def grpo_loss(logp_new, logp_old, advantages, mask, eps_low: float = 0.2, eps_hi
 LOSS_FNS = {"gspo": gspo_loss, "gspo-token": gspo_token_loss, "grpo": grpo_loss}
 
 
-# ---------------------------------------------------------------------------------------------
-# Batches: prompts to tensors, the policy's log-probs of given completions, and greedy accuracy.
-# ---------------------------------------------------------------------------------------------
+# --- Batches: prompts to tensors, log-probs of given completions, greedy accuracy -----------------
 def encode_prompts(tokenizer, texts: list[str], device) -> tuple[torch.Tensor, torch.Tensor]:
     """Left-padded prompt ids and mask, (B, P) each. With a chat template (an instruct model's) each text
     is a user message, then the assistant's turn opens; the template writes the special tokens."""
-    if getattr(tokenizer, "chat_template", None):
+    chat = bool(getattr(tokenizer, "chat_template", None))
+    if chat:
         texts = [tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
                                                add_generation_prompt=True) for text in texts]
-        enc = tokenizer(texts, padding=True, return_tensors="pt", add_special_tokens=False)
-    else:
-        enc = tokenizer(texts, padding=True, return_tensors="pt")
+    enc = tokenizer(texts, padding=True, return_tensors="pt", add_special_tokens=not chat)
     return enc.input_ids.to(device), enc.attention_mask.to(device)
 
 
-def completion_logits(model, prompt_ids, prompt_mask, completions) -> torch.Tensor:
-    """The logits that predict each completion token, (B, T, V), from one pass over prompt +
-    completion; logits_to_keep skips the prompt's (B, P, V), which dominates a real vocabulary's memory."""
+def policy_logprobs(model, prompt_ids, prompt_mask, completions, *, temperature: float | None = 1.0):
+    """log pi(y_t | x, y_<t) for every completion position: (B, T), differentiable, from one pass over prompt +
+    completion; the logits divided by the sampler's `temperature` (None: as they are), to score what sampled."""
     ids = torch.cat([prompt_ids, completions], dim=1)                    # (B, P+T)
     attn = torch.cat([prompt_mask.long(), torch.ones_like(completions)], dim=1)
     pos = (attn.cumsum(-1) - 1).clamp(min=0)
-    T = completions.shape[1]
-    return model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=False,
-                 logits_to_keep=T + 1).logits[:, :-1]                   # (B, T, V): predicts y_1..y_T
-
-
-def policy_logprobs(model, prompt_ids, prompt_mask, completions, *, temperature: float | None = 1.0):
-    """log pi(y_t | x, y_<t) for every completion position: (B, T), differentiable; the logits divided by
-    the sampler's `temperature`, so that they score the distribution that sampled (None: as they are)."""
-    logits = completion_logits(model, prompt_ids, prompt_mask, completions)   # (B, T, V)
+    T = completions.shape[1]        # logits_to_keep: not the prompt's (B, P, V), a real vocabulary's memory
+    logits = model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=False,
+                   logits_to_keep=T + 1).logits[:, :-1]                   # (B, T, V): predicts y_1..y_T
     if temperature:
         logits = logits / temperature
     return token_logprobs(logits, completions)
@@ -491,18 +444,13 @@ def group_policy_logprobs(model, prompt_ids, prompt_mask, completions, group_siz
                           temperature: float | None = 1.0):
     """`policy_logprobs` of rows in groups of `group_size` identical prompts, each prompt run once and its KV
     cache repeated under the G completions: the same numbers and gradient, about half add2's positions."""
-    from transformers import DynamicCache
-
-    G, P, T = group_size, prompt_ids.shape[1], completions.shape[1]
+    P, T = prompt_ids.shape[1], completions.shape[1]
     attn = torch.cat([prompt_mask.long(), torch.ones_like(completions)], dim=1)     # (B, P+T)
     pos = (attn.cumsum(-1) - 1).clamp(min=0)
-    cache = DynamicCache(config=model.config)
-    first = model(input_ids=prompt_ids[::G], attention_mask=attn[::G, :P], position_ids=pos[::G, :P],
-                  cache=cache, use_cache=True, logits_to_keep=1).logits        # (B/G, 1, V): y_1
-    logits = first.repeat_interleave(G, dim=0)                                  # (B, 1, V)
+    first, cache = grouped_prompt_pass(model, prompt_ids, attn[:, :P], pos[:, :P], group_size,
+                                       "group_policy_logprobs")                 # (B, V): predicts y_1
+    logits = first[:, None]                                                     # (B, 1, V)
     if T > 1:
-        cache_was_filled(cache, "group_policy_logprobs")
-        cache.batch_repeat_interleave(G)
         rest = model(input_ids=completions[:, :-1], attention_mask=attn[:, :-1],     # y_1..y_{T-1} after the
                      position_ids=pos[:, P:-1], cache=cache, use_cache=True).logits  # P cached: (B, T-1, V)
         logits = torch.cat([logits, rest], dim=1)                               # (B, T, V): y_1..y_T
@@ -525,21 +473,17 @@ def accuracy(model, tokenizer, task, problems, max_new_tokens: int, device, batc
     return hits / len(problems)
 
 
-# ---------------------------------------------------------------------------------------------
-# Supervised warm-up: teach the answer format until some sampled answers are right.
-# ---------------------------------------------------------------------------------------------
-# Why: GSPO's signal is the reward spread INSIDE a group. A random model answers nothing right, every
-# advantage is 0 and nothing is learnt. We stop once validation accuracy reaches `warmup_target`
-# (0.3): enough groups then hold both successes and failures. (The paper starts from a pretrained model.)
+# --- Supervised warm-up: teach the answer format until some sampled answers are right -------------
+# GSPO's signal is the reward spread INSIDE a group: a random model answers nothing right, every advantage is 0.
+# At `warmup_target` (0.3) validation accuracy enough groups hold both. (The paper starts from a pretrained model.)
 def supervised_loss(model, tokenizer, task, problems, device) -> torch.Tensor:
     """Mean token negative log-likelihood of 'solution<eos>' after each prompt."""
     ids, attn = encode_prompts(tokenizer, [task.prompt(a, b) for a, b in problems], device)
-    answers = [tokenizer(task.solution(a, b), add_special_tokens=False).input_ids
-               + [tokenizer.eos_token_id] for a, b in problems]
-    T = max(map(len, answers))
-    target = torch.tensor([ans + [tokenizer.pad_token_id] * (T - len(ans)) for ans in answers],
-                          device=device)                                 # (B, T)
-    mask = torch.tensor([[t < len(ans) for t in range(T)] for ans in answers], device=device)
+    answers = [torch.tensor(tokenizer(task.solution(a, b), add_special_tokens=False).input_ids
+                            + [tokenizer.eos_token_id]) for a, b in problems]
+    target = torch.nn.utils.rnn.pad_sequence(answers, batch_first=True,
+                                             padding_value=tokenizer.pad_token_id).to(device)   # (B, T)
+    mask = completion_mask(target, tokenizer.eos_token_id)              # up to each answer's EOS
     logp = policy_logprobs(model, ids, attn, target, temperature=None)  # (B, T), the plain logits
     return -masked_mean(logp.flatten(), mask.flatten())
 
@@ -564,9 +508,7 @@ def warmup(model, tokenizer, splits, cfg: Config, device, rng: random.Random, ru
     return step
 
 
-# ---------------------------------------------------------------------------------------------
-# One GSPO step: a rollout of G completions per prompt, then `minibatches` clipped updates on it.
-# ---------------------------------------------------------------------------------------------
+# --- One GSPO step: a rollout, then `minibatches` clipped updates on it ---------------------------
 @torch.no_grad()
 def rollout(model, tokenizer, problems, cfg: Config, device, task=ADD2) -> dict:
     """Sample G completions per prompt with the policy as it is now (pi_old), score them, and
@@ -586,12 +528,6 @@ def rollout(model, tokenizer, problems, cfg: Config, device, task=ADD2) -> dict:
             "rewards": rewards, "advantages": group_advantages(rewards, G)}
 
 
-def flat_group_share(rewards: torch.Tensor, group_size: int) -> float:
-    """Share of groups whose rewards are all equal: their advantages are 0, they teach nothing."""
-    r = rewards.reshape(-1, group_size)                                     # (B/G, G)
-    return (r == r[:, :1]).all(1).float().mean().item()
-
-
 def group_chunks(n_rows: int, group_size: int, minibatches: int, device) -> list[torch.Tensor]:
     """Row indices of `minibatches` random chunks of whole groups (group k is rows kG .. kG+G-1).
     tensor_split, not chunk: chunk(5) of 12 groups gives 4 parts of 3, one optimiser step short."""
@@ -603,10 +539,9 @@ def group_chunks(n_rows: int, group_size: int, minibatches: int, device) -> list
 # PPO's approximate KL (CleanRL's `approx_kl`): KL(pi_old || pi_theta) ~ mean_t (e^x - 1 - x) >= 0, with
 # x = log pi_theta(y_t) - log pi_old(y_t) before the step. Under pi_old E[x] = -KL: the mean log s (not s_mean)
 # is about -approx_kl, the drift GSPO's band clips. float64: CleanRL's (e^x - 1) - x in float32 is noise at 1e-4.
-def ratio_metrics(logp_new, logp_old, adv, mask, loss: str, eps_low: float, eps_high: float) -> dict:
-    """A minibatch's s (B,), its forms' largest disagreement, and counts. A token is clipped when its term
-    is on the min's clipped, zero-gradient side; a clipped GSPO response clips all its tokens (as verl
-    counts), so that `n_clip_tokens` means the same for GSPO and GRPO."""
+def ratio_metrics(logp_new, logp_old, adv, mask, loss: str, eps_low: float, eps_high: float, off_policy: bool) -> dict:
+    """A minibatch's s (B,), its forms' largest disagreement, and counts. A token is clipped on the min's clipped,
+    zero-gradient side; a clipped GSPO response clips all its tokens (as verl counts): one unit with GRPO's."""
     keep = mask != 0
     s = importance_ratio(logp_new, logp_old, mask)                          # (B,)
     seq_clipped = clipped_on_active_side(s, adv, eps_low, eps_high)         # (B,); GSPO's (for GRPO, s on its band)
@@ -615,16 +550,17 @@ def ratio_metrics(logp_new, logp_old, adv, mask, loss: str, eps_low: float, eps_
         tok_clipped = clipped_on_active_side(torch.exp(log_w), adv.unsqueeze(-1), eps_low, eps_high) & keep
     else:
         tok_clipped = seq_clipped.unsqueeze(-1) & keep
-    x = log_w.double()
+    x, could_clip = log_w.double(), keep & (adv != 0).unsqueeze(-1)       # A = 0 never clips
     return {"s": s, "form_gap": form_gap(logp_new, logp_old, mask).max().item(),
             "n_clip_tokens": tok_clipped.sum().item(), "n_tokens": keep.sum().item(),
-            "n_clip_seqs": seq_clipped.sum().item(), "kl_sum": (torch.expm1(x) - x).sum().item()}
+            "n_clip_seqs": seq_clipped.sum().item(), "kl_sum": (torch.expm1(x) - x).sum().item(),
+            "n_off_policy": keep.sum().item() if off_policy else 0,       # minibatch 1: s = 1, none clip
+            "n_clip_ceiling": could_clip.sum().item() if off_policy else 0}
 
 
 def summarise_minibatches(logs: list[dict]) -> dict:
-    """A step's metrics from its minibatches' `ratio_metrics`, loss, grad_norm (unclipped), n_clip_ceiling
-    (tokens that could clip: off-policy, A != 0) and n_off_policy. `s_mean` is over every response,
-    minibatch 1's exact 1s included; `approx_kl` over off-policy tokens (0 with one minibatch)."""
+    """A step's metrics from its minibatches' `ratio_metrics`, loss and grad_norm (unclipped). `s_mean` is over
+    every response, minibatch 1's exact 1s included; `approx_kl` over off-policy tokens (0 with one minibatch)."""
     s = torch.cat([m["s"] for m in logs])                                  # (B,)
     tokens = max(sum(m["n_tokens"] for m in logs), 1)
     return {"loss": sum(m["loss"] for m in logs) / len(logs), "s_mean": s.mean().item(),
@@ -638,10 +574,9 @@ def summarise_minibatches(logs: list[dict]) -> dict:
 
 
 def rl_update(model, opt, batch: dict, cfg: Config, eps_low: float, eps_high: float) -> dict:
-    """One clipped step on each of `minibatches` chunks of whole groups of the rollout. pi_old is the
-    policy that sampled it, its log-probs recomputed by the trainer: for chunk 1 the update's own pass, detached
-    (s = 1 exactly), for the others one pass before the first step. At s = w = 1 GSPO's and GRPO's
-    gradients are the plain policy gradient: they differ only in the later, off-policy chunks."""
+    """One clipped step on each of `minibatches` chunks of whole groups. pi_old, the policy that sampled, recomputed:
+    chunk 1's own pass, detached (s = 1 exactly), the others' one pass before the first step. At s = w = 1 GSPO's
+    and GRPO's gradients are the plain policy gradient: they differ only in the later, off-policy chunks."""
     G = cfg.group_size
     chunks = group_chunks(len(batch["rewards"]), G, cfg.minibatches, batch["rewards"].device)
     logprobs = lambda idx: group_policy_logprobs(model, batch["prompt_ids"][idx], batch["prompt_mask"][idx],
@@ -665,22 +600,15 @@ def rl_update(model, opt, batch: dict, cfg: Config, eps_low: float, eps_high: fl
         if cfg.grad_clip > 0:      # clip_grad_norm_ without computing the norm a second time
             torch.nn.utils.clip_grads_with_norm_(model.parameters(), cfg.grad_clip, norm)
         opt.step()
-        # n_clip_ceiling, the tokens that could clip: chunk 1 is on-policy (s = 1), and A = 0 never clips
-        n_off = 0 if k == 0 else mask.sum().item()
-        could_clip = 0 if k == 0 else (mask & (adv != 0).unsqueeze(-1)).sum().item()
-        logs.append({**ratio_metrics(logp_new.detach(), logp_old, adv, mask, cfg.loss, eps_low, eps_high),  # pre-step
-                     "loss": loss.item(), "n_clip_ceiling": could_clip, "n_off_policy": n_off,
-                     "grad_norm": norm.item()})
+        logs.append({**ratio_metrics(logp_new.detach(), logp_old, adv, mask, cfg.loss, eps_low, eps_high,  # pre-step
+                                     off_policy=k > 0), "loss": loss.item(), "grad_norm": norm.item()})
     opt.zero_grad(set_to_none=True)         # the gradients' memory is free while the next rollout samples
     return summarise_minibatches(logs)
 
 
-# ---------------------------------------------------------------------------------------------
-# The training loop: warm-up, then GSPO steps, then the test set. The whole run is `train()`.
-# ---------------------------------------------------------------------------------------------
+# --- The training loop: warm-up, GSPO steps, the test set; the whole run is `train()` -------------
 def rl_optimizer(model, cfg: Config):
-    """AdamW (weight decay 0.01, torch's default), the learning rate decayed linearly to 0 over the RL
-    steps (TRL's default schedule too); fused: one kernel for all parameters."""
+    """AdamW (torch's weight decay 0.01; fused), its rate decayed linearly to 0 over the RL steps as TRL's default."""
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, fused=True)
     return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 1 - i / cfg.steps)
 
@@ -688,7 +616,7 @@ def rl_optimizer(model, cfg: Config):
 def train(cfg: Config, model, tokenizer, device, run, stop) -> dict:
     """The whole run: warm-up, `cfg.steps` GSPO steps, the test set; returns what summary.json holds. `run`
     is the run folder (log, checkpoint, finish), `stop.requested` true after Ctrl-C (plumbing, after main)."""
-    task = task_of(cfg)                            # 2-digit addition, or the rows of --data
+    task = task_of(cfg)                            # add2, or the rows of --data (after main, by read_data)
     splits = make_splits(task, cfg.test_size, cfg.val_size)
     rng = random.Random(cfg.seed)                  # training prompts; the held-out splits are fixed
     eps_low, eps_high = resolved_eps(cfg)
@@ -717,8 +645,8 @@ def train(cfg: Config, model, tokenizer, device, run, stop) -> dict:
                 run.checkpoint(model, tokenizer)
             # Log: one object in metrics.jsonl and one progress line, the same names in both.
             n_tok, dt = int(batch["mask"].sum()), time.perf_counter() - t0   # the whole step's time
-            m.update(reward=batch["rewards"].mean().item(),
-                     flat_groups=flat_group_share(batch["rewards"], cfg.group_size),
+            flat = (batch["advantages"].reshape(-1, cfg.group_size) == 0).all(1)   # equal rewards: they teach nothing
+            m.update(reward=batch["rewards"].mean().item(), flat_groups=flat.float().mean().item(),
                      response_tokens=n_tok / len(batch["rewards"]), tokens_per_second=n_tok / dt, step_seconds=dt)
             summary["rl_steps"], summary["rl_tokens"] = step, summary["rl_tokens"] + n_tok
             summary["rl_seconds"] += dt
@@ -765,7 +693,7 @@ def main(argv: list[str] | None = None) -> int:
 # Nothing below is GSPO: the plumbing of a run. The story above calls only these entry points: Run (the run
 # folder: its log, checkpoint, new_summary and finish, curves.png), run_header and progress_line (its lines),
 # GracefulStop (Ctrl-C's flag, stop.requested), Diverged and finite_grad_norm (the non-finite stop), BadInput,
-# parse_config, prepare and load_pretrained (the command line, its model), read_data (--data).
+# parse_config, prepare and load_pretrained (the command line, its model), task_of (add2 or --data's rows).
 # =============================================================================================
 import argparse  # noqa: E402  the plumbing's own imports: the story above needs none of them
 import ast  # noqa: E402
@@ -1297,6 +1225,10 @@ class GracefulStop:
 
 
 # --- The command line: every bad input gets one line on stderr and exit code 2 -----------------
+LOSSES = tuple(LOSS_FNS)                # gspo, gspo-token, grpo
+REWARDS = ("exact", "last-number")      # --data's
+
+
 class BadInput(Exception):
     pass
 
@@ -1580,6 +1512,11 @@ def prepare(cfg: Config, task=None, make=None):
 
 
 # --- --data: a JSONL file of problems, read once and checked line by line ----------------------
+def task_of(cfg: Config):
+    """A run's problems, for `train` and `prepare`: the rows of --data (read once per process), or add2."""
+    return read_data(cfg.data, cfg.reward) if cfg.data else ADD2
+
+
 @dataclass(frozen=True)
 class DataTask:
     """--data: a file's (prompt, answer) rows, read and checked by `read_data`; split by their order, not --seed."""

@@ -701,6 +701,19 @@ def test_the_nucleus_is_transformers_top_p_renormalised():
         assert torch.allclose(logq[kept], (full - log_z[:, None])[kept])
 
 
+def test_the_labs_completion_logits_are_the_pass_that_policy_logprobs_scores():
+    """The lab's completion_logits repeats gspo_minimal.policy_logprobs' one pass (the KL needs its
+    logits): their log-probs agree bit for bit, one kernel in one process, scaled or not."""
+    model, tok, cfg, batch = tiny_rollout()
+    args = [batch[k] for k in ("prompt_ids", "prompt_mask", "completions")]
+    with torch.no_grad():
+        logits = g.completion_logits(model, *args)                                 # (B, T, V)
+        for temperature in (None, 0.7):
+            scaled = logits if temperature is None else logits / temperature
+            assert torch.equal(minimal.token_logprobs(scaled, args[2]),
+                               minimal.policy_logprobs(model, *args, temperature=temperature))
+
+
 def test_a_top_p_sampler_records_the_truncated_log_probs_and_its_kl_is_minus_log_z():
     """With --top-p the sampler draws only nucleus tokens and records log q under the truncated
     distribution, above the trainer's full-softmax log-prob by -log Z at every token; the exact KL of

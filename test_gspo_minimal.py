@@ -756,9 +756,15 @@ def test_clip_ceiling_counts_off_policy_tokens_of_groups_with_signal():
     assert m["clip_tokens"] <= m["clip_ceiling"]
 
 
-def test_flat_group_share_counts_groups_with_equal_rewards():
-    rewards = torch.tensor([1., 1., 1., 0., 0., 0., 1., 0., 1.])
-    assert g.flat_group_share(rewards, 3) == pytest.approx(2 / 3)
+def test_flat_groups_are_the_groups_of_equal_rewards_read_from_their_advantages():
+    """train's flat_groups (groups whose advantages are all 0) is the share of groups with equal rewards
+    (the lab's flat_group_share), for 0/1 rewards and for rewards that differ by round-off."""
+    import gspo_lab
+    for rewards in (torch.tensor([1., 1., 1., 0., 0., 0., 1., 0., 1.]),
+                    torch.tensor([0.3, 0.3, 0.3 + 1e-16, 0.1, 0.1 + 2 ** -26, 0.1, 1.0, 1.0, 1.0])):
+        flat = (g.group_advantages(rewards, 3).reshape(-1, 3) == 0).all(1).float().mean().item()
+        assert flat == gspo_lab.flat_group_share(rewards, 3)
+    assert gspo_lab.flat_group_share(torch.tensor([1., 1., 1., 0., 0., 0., 1., 0., 1.]), 3) == pytest.approx(2 / 3)
 
 
 def test_group_chunks_cover_every_row_once_in_whole_groups():
@@ -1152,7 +1158,8 @@ def test_the_approximate_kl_is_non_negative_and_exact_where_float32_cancels(x):
     same expression in float32 is off by more than its value at |x| = 1e-5: e^x - 1 is a multiple of
     2^-23 = 1.2e-7 there, and 1e-5 is 0.89 of a step from one, whatever the CPU rounds."""
     new, old = torch.tensor([[x, x]], dtype=torch.float32), torch.zeros(1, 2)
-    m = g.ratio_metrics(new, old, torch.tensor([1.0]), torch.ones(1, 2, dtype=torch.bool), "gspo", 3e-4, 4e-4)
+    m = g.ratio_metrics(new, old, torch.tensor([1.0]), torch.ones(1, 2, dtype=torch.bool), "gspo", 3e-4, 4e-4,
+                        off_policy=True)
     x32 = float(torch.tensor(x, dtype=torch.float32))
     assert m["kl_sum"] >= 0 and m["kl_sum"] == pytest.approx(2 * (math.expm1(x32) - x32), rel=1e-9)
     if abs(x) <= 1e-4:
@@ -1198,7 +1205,7 @@ def test_importing_the_script_loads_no_matplotlib():
 
 # The story's length: SPEC's cap is 650 lines above `def main`, a target this file has not reached
 # yet; until it does, the story may not grow past what it is (a ratchet), and the other caps hold.
-STORY_LINES_AT_MOST = 735
+STORY_LINES_AT_MOST = 663
 
 
 def test_the_story_and_the_file_stay_within_their_line_budgets():
