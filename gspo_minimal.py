@@ -19,8 +19,8 @@ One GSPO step, as `train` runs it after a supervised `warmup`:
        sample_completions     temperature 1, a KV cache; `reward` scores each answer, and
        group_advantages       A_i = (r_i - mean of its group) / std of its group
   3. rl_update              the rollout in `minibatches` chunks of whole groups; for each chunk:
-       group_policy_logprobs  log pi_theta(y_t) of every answer token; pi_old's: chunk 1's own, detached,
-                              the others' from one pass before any step
+       group_policy_logprobs  log pi_theta(y_t) of every answer token; pi_old (nothing stored at sampling):
+                              chunk 1's own pass, detached, the others' from one pass before any step
        gspo_loss              -mean_i min(s_i A_i, clip(s_i, 1 - 3e-4, 1 + 4e-4) A_i), s_i by importance_ratio
        AdamW                  one step; every chunk after the first is off-policy (ratio_metrics logs s,
                               the clipped shares and PPO's approximate KL)
@@ -77,7 +77,7 @@ class Config:
     max_new_tokens: int = 6
     """longest completion sampled; a completion without EOS by then gets reward 0"""
     temperature: float = 1.0
-    """sampling temperature, 0.01 to 100; the log-probs divide the logits by it too: those of the sampler"""
+    """sampling temperature, 0.01 to 100; the log-probs score logits / temperature, the sampler's distribution"""
     out: str = "runs/train"
     """output folder: metrics.jsonl, summary.json, curves.png and checkpoint/ (Hugging Face format)"""
     shuffle_rewards: bool = False
@@ -443,7 +443,7 @@ def policy_logprobs(model, prompt_ids, prompt_mask, completions, *, temperature:
 def group_policy_logprobs(model, prompt_ids, prompt_mask, completions, group_size: int, *,
                           temperature: float | None = 1.0):
     """`policy_logprobs` of rows in groups of `group_size` identical prompts, each prompt run once and its KV
-    cache repeated under the G completions: the same numbers and gradient, about half add2's positions."""
+    cache repeated under the G completions: the same numbers and gradient, the prompt not recomputed G times."""
     P, T = prompt_ids.shape[1], completions.shape[1]
     attn = torch.cat([prompt_mask.long(), torch.ones_like(completions)], dim=1)     # (B, P+T)
     pos = (attn.cumsum(-1) - 1).clamp(min=0)
@@ -536,9 +536,9 @@ def group_chunks(n_rows: int, group_size: int, minibatches: int, device) -> list
             for grp in groups]
 
 
-# PPO's approximate KL (CleanRL's `approx_kl`): KL(pi_old || pi_theta) ~ mean_t (e^x - 1 - x) >= 0, with
-# x = log pi_theta(y_t) - log pi_old(y_t) before the step. Under pi_old E[x] = -KL: the mean log s (not s_mean)
-# is about -approx_kl, the drift GSPO's band clips. float64: CleanRL's (e^x - 1) - x in float32 is noise at 1e-4.
+# PPO's approximate KL (CleanRL's `approx_kl`): KL(pi_old || pi_theta) ~ mean_t (e^x - 1 - x) >= 0, with x =
+# log pi_theta(y_t) - log pi_old(y_t) before the step. As E[x] = -KL under pi_old, the mean of log s (not s_mean)
+# is about -approx_kl. In float64: CleanRL's (e^x - 1) - x in float32 is noise at |x| ~ 1e-4.
 def ratio_metrics(logp_new, logp_old, adv, mask, loss: str, eps_low: float, eps_high: float, off_policy: bool) -> dict:
     """A minibatch's s (B,), its forms' largest disagreement, and counts. A token is clipped on the min's clipped,
     zero-gradient side; a clipped GSPO response clips all its tokens (as verl counts): one unit with GRPO's."""
@@ -559,8 +559,9 @@ def ratio_metrics(logp_new, logp_old, adv, mask, loss: str, eps_low: float, eps_
 
 
 def summarise_minibatches(logs: list[dict]) -> dict:
-    """A step's metrics from its minibatches' `ratio_metrics`, loss and grad_norm (unclipped). `s_mean` is over
-    every response, minibatch 1's exact 1s included; `approx_kl` over off-policy tokens (0 with one minibatch)."""
+    """A step's metrics from its minibatches' `ratio_metrics`, loss and grad_norm (unclipped). `s_mean` is over every
+    response, minibatch 1's exact 1s included; `approx_kl` over off-policy tokens (0 with one minibatch);
+    `clip_ceiling`, the largest share `clip_tokens` can reach: off-policy tokens with A != 0."""
     s = torch.cat([m["s"] for m in logs])                                  # (B,)
     tokens = max(sum(m["n_tokens"] for m in logs), 1)
     return {"loss": sum(m["loss"] for m in logs) / len(logs), "s_mean": s.mean().item(),
@@ -574,9 +575,9 @@ def summarise_minibatches(logs: list[dict]) -> dict:
 
 
 def rl_update(model, opt, batch: dict, cfg: Config, eps_low: float, eps_high: float) -> dict:
-    """One clipped step on each of `minibatches` chunks of whole groups. pi_old, the policy that sampled, recomputed:
-    chunk 1's own pass, detached (s = 1 exactly), the others' one pass before the first step. At s = w = 1 GSPO's
-    and GRPO's gradients are the plain policy gradient: they differ only in the later, off-policy chunks."""
+    """One clipped step on each of `minibatches` chunks of whole groups. pi_old, the weights that sampled, recomputed:
+    chunk 1's own pass, detached (s = 1 exactly), the others' one pass before the first step (so dropout must be
+    off). At s = w = 1 GSPO's and GRPO's gradients are the plain policy gradient: they differ only off-policy."""
     G = cfg.group_size
     chunks = group_chunks(len(batch["rewards"]), G, cfg.minibatches, batch["rewards"].device)
     logprobs = lambda idx: group_policy_logprobs(model, batch["prompt_ids"][idx], batch["prompt_mask"][idx],
