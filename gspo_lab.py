@@ -16,6 +16,8 @@ It takes every flag of gspo_minimal.py plus its own (`--help` lists them in two 
     --record-bins), the calibrated band (--eps-engine) and FSPO's band (--fspo-band);
   * memory: --micro-batch (automatic above 20M parameters) and --gradient-checkpointing;
   * the tasks beyond add2 (add3, mul2, addwork, add2-chat), the tiny MoE (--moe), GGUF files, --eval-at.
+  * a real inference engine: `LlamaCppEngine`, llama.cpp on a GGUF file of the trainer's weights (the
+    engine extra, `make test-engine`, which holds it to the trainer); not yet a flag of the run.
 
 Design (chosen before the code moved): a variant file, as CleanRL's ppo_atari.py is to ppo.py. The lab
 imports gspo_minimal, takes every name it has (`from gspo_minimal import *`), and keeps its own fuller
@@ -35,7 +37,9 @@ import copy
 import math
 import os
 import random
+import shutil
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 
@@ -1101,6 +1105,231 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             run.close()
     return run.exit_code(summary, "gspo_lab.py")
+
+
+# --- A real engine: llama.cpp samples from a GGUF file of the trainer's weights ----------------------
+# Only with the engine extra (requirements-engine.txt, `make test-engine`): llama-cpp-python, built here
+# from its source package, and the gguf package, which writes the file. Nothing else imports them.
+ENGINE_WEIGHTS = ("f32", "f16", "bf16", "q8_0")
+ENGINE_KV = ("f16", "f32")
+LLAMA_MAX_SEQS = 256          # llama.cpp's LLAMA_MAX_SEQ: a rollout samples in pieces of at most 256 rows
+
+
+def engine_modules():
+    """(llama_cpp, gguf), or BadInput in one line naming the extra."""
+    try:
+        import gguf
+        import llama_cpp
+    except ImportError as err:
+        raise BadInput(f"llama.cpp needs the engine extra ({err.name} is not installed): "
+                       "`make test-engine` builds .venv-engine") from None
+    return llama_cpp, gguf
+
+
+def llama_cpp_layout(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """A q or k projection (out, in) from Hugging Face's RoPE layout (each head's two halves rotated
+    together) to llama.cpp's (adjacent pairs): the permutation llama.cpp's own converter applies to Llama."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_gguf(model, path: str, weights: str = "f32") -> None:
+    """A Llama causal LM (the tiny model, SmolLM2) as a GGUF file for llama.cpp, written with the gguf
+    package: its weights at `weights` (f32, f16, bf16 or q8_0; the norms stay f32, as llama.cpp's
+    converter keeps them), q and k in llama.cpp's RoPE layout, the vocabulary `none` (token ids as they
+    are, `vocab_size` dummy tokens), the output matrix tied to the embedding where the model ties them."""
+    _, gguf = engine_modules()
+    cfg = model.config
+    rope = getattr(cfg, "rope_parameters", None) or {"rope_type": "default", "rope_theta": cfg.rope_theta}
+    if (cfg.model_type != "llama" or rope.get("rope_type", "default") != "default"
+            or getattr(cfg, "attention_bias", False) or getattr(cfg, "mlp_bias", False)):
+        raise BadInput(f"llama.cpp's engine takes a plain Llama (the tiny model, SmolLM2), not this "
+                       f"{cfg.model_type} (the MoE, RoPE scaling and biases are not written)")
+    kind = {"f32": gguf.GGMLQuantizationType.F32, "f16": gguf.GGMLQuantizationType.F16,
+            "bf16": gguf.GGMLQuantizationType.BF16, "q8_0": gguf.GGMLQuantizationType.Q8_0}[weights]
+    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    out = gguf.GGUFWriter(path, "llama")
+    out.add_context_length(cfg.max_position_embeddings)
+    out.add_embedding_length(cfg.hidden_size)
+    out.add_block_count(cfg.num_hidden_layers)
+    out.add_feed_forward_length(cfg.intermediate_size)
+    out.add_head_count(cfg.num_attention_heads)
+    out.add_head_count_kv(cfg.num_key_value_heads)
+    out.add_rope_dimension_count(head_dim)
+    out.add_rope_freq_base(float(rope["rope_theta"]))
+    out.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    out.add_vocab_size(cfg.vocab_size)
+    out.add_tokenizer_model("none")
+    state = {k: v.detach().float().cpu() for k, v in model.state_dict().items()}
+    names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight"}
+    if not cfg.tie_word_embeddings:
+        names["lm_head.weight"] = "output.weight"
+    for i in range(cfg.num_hidden_layers):
+        for hf, cpp in (("input_layernorm", "attn_norm"), ("self_attn.q_proj", "attn_q"),
+                        ("self_attn.k_proj", "attn_k"), ("self_attn.v_proj", "attn_v"),
+                        ("self_attn.o_proj", "attn_output"), ("post_attention_layernorm", "ffn_norm"),
+                        ("mlp.gate_proj", "ffn_gate"), ("mlp.up_proj", "ffn_up"), ("mlp.down_proj", "ffn_down")):
+            names[f"model.layers.{i}.{hf}.weight"] = f"blk.{i}.{cpp}.weight"
+    for hf, cpp in names.items():
+        w = state[hf]
+        if cpp.endswith("attn_q.weight"):
+            w = llama_cpp_layout(w, cfg.num_attention_heads)
+        elif cpp.endswith("attn_k.weight"):
+            w = llama_cpp_layout(w, cfg.num_key_value_heads)
+        data = w.numpy()
+        if w.dim() == 1 or kind == gguf.GGMLQuantizationType.F32:
+            out.add_tensor(cpp, data)
+        else:
+            out.add_tensor(cpp, gguf.quants.quantize(data, kind), raw_dtype=kind)   # bytes: shape read back
+    out.write_header_to_file()
+    out.write_kv_data_to_file()
+    out.write_tensors_to_file()
+    out.close()
+
+
+class LlamaCppEngine:
+    """llama.cpp running the trainer's weights, as an inference engine beside a trainer. `sync(model)` writes
+    them as GGUF (`write_gguf`) and loads that file, as a trainer syncs its engine before each rollout.
+    `sample` draws the completions with llama.cpp's own sampler chain (temperature, then a seeded draw
+    from the full distribution: no top-k, top-p, min-p or penalty) and records each token's log-prob from
+    llama.cpp's logits, log_softmax(logits / T) in float32 (the trainer's convention). `logits` scores
+    given completions. All rows go through llama.cpp's batch API together, one sequence each in one
+    unified KV cache (`kv`: f16, llama.cpp's default, or f32); each prompt runs once per group and its
+    cache is shared by the group's G sequences. Threads: `threads`, or one per core."""
+
+    def __init__(self, weights: str = "f16", kv: str = "f16", threads: int = 0):
+        if weights not in ENGINE_WEIGHTS or kv not in ENGINE_KV:
+            raise BadInput(f"llama.cpp's weights are one of {', '.join(ENGINE_WEIGHTS)} and its KV cache "
+                           f"f16 or f32, not {weights!r} and {kv!r}")
+        self.lib, _ = engine_modules()
+        self.weights, self.kv, self.threads = weights, kv, threads or (os.cpu_count() or 1)
+        self.model = self.ctx = None
+        self.folder = tempfile.mkdtemp(prefix="gspo-llama-cpp-")
+        self._quiet = self.lib.llama_log_callback(lambda level, text, data: None)   # kept: C holds it
+        self.lib.llama_log_set(self._quiet, None)
+        self.lib.llama_backend_init()
+
+    def sync(self, model) -> None:
+        """The trainer's current weights into llama.cpp: a fresh GGUF file, loaded in place of the last."""
+        self.close_model()
+        path = os.path.join(self.folder, f"policy-{self.weights}.gguf")
+        write_gguf(model, path, self.weights)
+        params = self.lib.llama_model_default_params()
+        self.model = self.lib.llama_model_load_from_file(path.encode(), params)
+        if not self.model:
+            raise BadInput(f"llama.cpp could not load the GGUF file written from this model ({path})")
+        self.n_vocab = model.config.vocab_size
+
+    def _context(self, cells: int, seqs: int):
+        """A fresh context holding `cells` KV cells in one unified cache for `seqs` sequences."""
+        if self.ctx:
+            self.lib.llama_free(self.ctx)
+        p = self.lib.llama_context_default_params()
+        p.n_ctx = p.n_batch = p.n_ubatch = max(cells, 16)
+        p.n_seq_max, p.kv_unified, p.n_threads, p.n_threads_batch = seqs, True, self.threads, self.threads
+        p.type_k = p.type_v = {"f16": self.lib.GGML_TYPE_F16, "f32": self.lib.GGML_TYPE_F32}[self.kv]
+        p.flash_attn_type = self.lib.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        self.ctx = self.lib.llama_init_from_model(self.model, p)
+        if not self.ctx:
+            raise RuntimeError(f"llama.cpp could not make a context of {cells} cells for {seqs} sequences")
+
+    def _decode(self, tokens: list[tuple[int, int, int, bool]]) -> list[int]:
+        """One llama_decode of (token, position, sequence, wants_logits) entries: the entries with logits."""
+        batch = self.lib.llama_batch_init(len(tokens), 0, 1)
+        try:
+            for j, (tok, pos, seq, out) in enumerate(tokens):
+                batch.token[j], batch.pos[j], batch.n_seq_id[j] = tok, pos, 1
+                batch.seq_id[j][0], batch.logits[j] = seq, int(out)
+            batch.n_tokens = len(tokens)
+            if self.lib.llama_decode(self.ctx, batch) != 0:
+                raise RuntimeError("llama_decode failed")
+        finally:
+            self.lib.llama_batch_free(batch)
+        return [j for j, entry in enumerate(tokens) if entry[3]]
+
+    def _row_logits(self, j: int) -> torch.Tensor:
+        """The logits (V,) float32 of batch entry j of the last decode, copied out of llama.cpp."""
+        import numpy as np
+        return torch.from_numpy(np.ctypeslib.as_array(self.lib.llama_get_logits_ith(self.ctx, j),
+                                                      shape=(self.n_vocab,)).copy())
+
+    @staticmethod
+    def _prompts(prompt_ids, prompt_mask) -> list[list[int]]:
+        return [row[m].tolist() for row, m in zip(prompt_ids.cpu(), prompt_mask.cpu().bool())]
+
+    @torch.no_grad()
+    def sample(self, prompt_ids, prompt_mask, max_new_tokens: int, eos_id: int, pad_id: int, *,
+               temperature: float = 1.0, group_size: int = 1, seed: int = 0):
+        """(completions (B, T), record (B, T)) as the lab's sampler returns them: pad, and a log-prob of 0,
+        after each row's EOS; T the longest row; temperature 0 greedy. Rows come in groups of G prompts."""
+        G, B = group_size, len(prompt_ids)
+        step = max(G, LLAMA_MAX_SEQS // G * G)
+        if B > step:                                 # whole groups, at most 256 sequences at a time
+            pieces = [self.sample(prompt_ids[i:i + step], prompt_mask[i:i + step], max_new_tokens, eos_id, pad_id,
+                                  temperature=temperature, group_size=G, seed=seed + i) for i in range(0, B, step)]
+            T = max(c.shape[1] for c, _ in pieces)
+            pad = lambda x, v: torch.nn.functional.pad(x, (0, T - x.shape[1]), value=v)
+            return torch.cat([pad(c, pad_id) for c, _ in pieces]), torch.cat([pad(r, 0.0) for _, r in pieces])
+        prompts = self._prompts(prompt_ids, prompt_mask)
+        self._context(sum(len(p) for p in prompts[::G]) + B * max_new_tokens, B)
+        # each group's prompt once, as sequence kG (its first row); the group's other rows share its cells
+        outs = self._decode([(t, i, k * G, i == len(p) - 1) for k, p in enumerate(prompts[::G])
+                             for i, t in enumerate(p)])
+        memory = self.lib.llama_get_memory(self.ctx)
+        for k in range(B // G):
+            for r in range(1, G):
+                self.lib.llama_memory_seq_cp(memory, k * G, k * G + r, -1, -1)
+        at = [outs[b // G] for b in range(B)]        # each row's entry in the last decode: its logits
+        chain = self.lib.llama_sampler_chain_init(self.lib.llama_sampler_chain_default_params())
+        if temperature > 0:                          # logits / T, then one seeded draw from the softmax
+            self.lib.llama_sampler_chain_add(chain, self.lib.llama_sampler_init_temp(temperature))
+            draw = self.lib.llama_sampler_init_dist(seed % (2 ** 32 - 1))     # 2^32 - 1 would mean unseeded
+            self.lib.llama_sampler_chain_add(chain, draw)
+        else:
+            self.lib.llama_sampler_chain_add(chain, self.lib.llama_sampler_init_greedy())
+        tokens = torch.full((B, max_new_tokens), pad_id, dtype=torch.long)
+        record = torch.zeros(B, max_new_tokens)
+        live, T = list(range(B)), 0
+        try:
+            while live and T < max_new_tokens:
+                for b in live:
+                    tok = self.lib.llama_sampler_sample(chain, self.ctx, at[b])
+                    logits = self._row_logits(at[b])                                 # (V,)
+                    scaled = logits / temperature if temperature > 0 else logits
+                    tokens[b, T], record[b, T] = tok, torch.log_softmax(scaled, -1)[tok]
+                live, T = [b for b in live if tokens[b, T] != eos_id], T + 1
+                if live and T < max_new_tokens:
+                    at = dict(zip(live, self._decode([(int(tokens[b, T - 1]), len(prompts[b]) + T - 1, b, True)
+                                                      for b in live])))
+        finally:
+            self.lib.llama_sampler_free(chain)
+        return tokens[:, :T], record[:, :T]
+
+    @torch.no_grad()
+    def logits(self, prompt_ids, prompt_mask, completions) -> torch.Tensor:
+        """The logits (B, T, V) that predict each completion token, as `completion_logits` gives the
+        trainer's: one decode of every row's prompt and completion, each row a sequence of its own."""
+        B, T = completions.shape
+        if B > LLAMA_MAX_SEQS:
+            return torch.cat([self.logits(prompt_ids[i:i + LLAMA_MAX_SEQS], prompt_mask[i:i + LLAMA_MAX_SEQS],
+                                          completions[i:i + LLAMA_MAX_SEQS]) for i in range(0, B, LLAMA_MAX_SEQS)])
+        prompts = self._prompts(prompt_ids, prompt_mask)
+        self._context(sum(len(p) + T for p in prompts), B)
+        rows = [p + completions[b, :-1].tolist() for b, p in enumerate(prompts)]
+        outs = self._decode([(t, i, b, i >= len(prompts[b]) - 1) for b, row in enumerate(rows)
+                             for i, t in enumerate(row)])
+        return torch.stack([self._row_logits(j) for j in outs]).reshape(B, T, self.n_vocab)
+
+    def close_model(self) -> None:
+        if self.ctx:
+            self.lib.llama_free(self.ctx)
+        if self.model:
+            self.lib.llama_model_free(self.model)
+        self.model = self.ctx = None
+
+    def close(self) -> None:
+        """Frees llama.cpp's model and context and removes the GGUF file."""
+        self.close_model()
+        shutil.rmtree(self.folder, ignore_errors=True)
 
 
 # --- The synthetic engine (--record-noise): a record of pi_old with a gap of known bias and noise --

