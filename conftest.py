@@ -47,6 +47,7 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 def pytest_configure(config):
     config.addinivalue_line("markers", "extra: needs an optional extra (trl, the pretrained model, llama.cpp); "
                                        "make test deselects it")
+    config.addinivalue_line("markers", "engine: llama.cpp as the lab's engine (with extra): make test-engine runs these")
     config.addinivalue_line("markers", "thorough: slower checks (the longer golden tests of the studies); "
                                        "make test deselects them, make test-thorough runs them")
 

@@ -17,7 +17,8 @@ It takes every flag of gspo_minimal.py plus its own (`--help` lists them in two 
   * memory: --micro-batch (automatic above 20M parameters) and --gradient-checkpointing;
   * the tasks beyond add2 (add3, mul2, addwork, add2-chat), the tiny MoE (--moe), GGUF files, --eval-at.
   * a real inference engine: `LlamaCppEngine`, llama.cpp on a GGUF file of the trainer's weights (the
-    engine extra, `make test-engine`, which holds it to the trainer); not yet a flag of the run.
+    engine extra; `make test-engine` runs test_gspo_lab.py's engine tests, which hold it to the
+    trainer); not yet a flag of the run.
 
 Design (chosen before the code moved): a variant file, as CleanRL's ppo_atari.py is to ppo.py. The lab
 imports gspo_minimal, takes every name it has (`from gspo_minimal import *`), and keeps its own fuller
@@ -171,6 +172,10 @@ class Arithmetic(Add2):
     def __init__(self, name: str, n: int, op: str):
         self.name, self.n, self.op = name, n, op
 
+    def prompt(self, a, b) -> str:                  # both operands zero-padded to n's width
+        width = len(str(self.n - 1))
+        return f"{a:0{width}d}{self.op}{b:0{width}d}="
+
     def answer(self, a, b) -> str:
         return str(a * b if self.op == "*" else a + b)
 
@@ -230,6 +235,10 @@ def task_of(cfg: Config):
 # ---------------------------------------------------------------------------------------------
 # Models: the tiny MoE beside the tiny Llama, GGUF files, gradient checkpointing.
 # ---------------------------------------------------------------------------------------------
+TINY_SHAPE = dict(hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4,
+                  bos_token_id=None, tie_word_embeddings=True)       # gspo_minimal's Llama's (a test holds it)
+
+
 def build_tiny_model(tokenizer, moe: bool = False, positions: int = 64):
     """gspo_minimal's 1.05M-parameter Llama, or with `moe` a Mixtral of the same shape, 1.84M
     parameters (4 experts, 2 active per token), router aux loss off so that the objective stays pure."""
@@ -239,7 +248,7 @@ def build_tiny_model(tokenizer, moe: bool = False, positions: int = 64):
     return MixtralForCausalLM(MixtralConfig(
         vocab_size=len(tokenizer), intermediate_size=256, num_local_experts=4, num_experts_per_tok=2,
         router_aux_loss_coef=0.0, output_router_logits=False, max_position_embeddings=positions,
-        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, **g.TINY_MODEL))
+        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, **TINY_SHAPE))
 
 
 def load_pretrained(name_or_path: str):
@@ -897,6 +906,19 @@ def summarise_minibatches(logs: list[dict]) -> dict:
             "update_size_by_minibatch": [m["sum_old_minus_new"] / max(m["n_tokens"], 1) for m in logs],
             "abs_log_s_q": [m["abs_log_s_q"] for m in logs],
             "abs_token_log_ratio_q": [m["abs_token_log_ratio_q"] for m in logs]}
+
+
+def per_token(advantages: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """Advantages (B,) or (B, T) -> (B, T) (a view, not a copy, for the (B,) case)."""
+    return advantages.unsqueeze(-1).expand_as(like) if advantages.dim() == 1 else advantages
+
+
+def group_chunks(n_rows: int, group_size: int, minibatches: int, device) -> list[torch.Tensor]:
+    """Row indices of `minibatches` random chunks of whole groups, as gspo_minimal.rl_update deals them
+    (the equality tests hold the two): group k is rows kG .. kG+G-1; tensor_split, not chunk."""
+    groups = torch.randperm(n_rows // group_size, device=device).tensor_split(minibatches)
+    return [(grp[:, None] * group_size + torch.arange(group_size, device=device)).flatten()
+            for grp in groups]
 
 
 def flat_group_share(rewards: torch.Tensor, group_size: int) -> float:

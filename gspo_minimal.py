@@ -132,8 +132,7 @@ class Add2:
         return self.count() // 2
 
     def prompt(self, a, b) -> str:
-        width = len(str(self.n - 1))
-        return f"{a:0{width}d}{self.op}{b:0{width}d}="
+        return f"{a:02d}{self.op}{b:02d}="
 
     def answer(self, a, b) -> str:        # what the reward checks
         return str(a + b)
@@ -199,17 +198,14 @@ def build_char_tokenizer(task=ADD2):
                                    unk_token="<unk>", padding_side="left")
 
 
-TINY_MODEL = dict(hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4,
-                  bos_token_id=None, tie_word_embeddings=True)
-
-
 def build_tiny_model(tokenizer, positions: int = 64):
     """1.05M parameters; `positions` holds the longest prompt + completion (RoPE: no weight depends on it)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    return LlamaForCausalLM(LlamaConfig(vocab_size=len(tokenizer), intermediate_size=512,
-                                        max_position_embeddings=positions, pad_token_id=tokenizer.pad_token_id,
-                                        eos_token_id=tokenizer.eos_token_id, **TINY_MODEL))
+    return LlamaForCausalLM(LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=128, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=4, max_position_embeddings=positions, pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id, bos_token_id=None, tie_word_embeddings=True))
 
 
 def build(cfg: Config, device, task):
@@ -349,18 +345,14 @@ def form_gap(logp_new, logp_old, mask) -> torch.Tensor:
 # One term per sequence (a token mean for GRPO), mean over the B sequences. PPO's min(r A, clip(r, 1-eps_low,
 # 1+eps_high) A) stops the gradient only where moving on gains: r > 1+eps_high if A > 0, r < 1-eps_low if A < 0.
 def clipped_surrogate(ratio, adv, eps_low: float, eps_high: float) -> torch.Tensor:
-    """min(r A, clip(r, 1-eps_low, 1+eps_high) A), elementwise; r and A broadcast together."""
+    """min(r A, clip(r, 1-eps_low, 1+eps_high) A), elementwise; A (B,) against a (B, T) r counts for every token."""
+    adv = adv.unsqueeze(-1) if adv.dim() < ratio.dim() else adv
     return torch.minimum(ratio * adv, ratio.clamp(1 - eps_low, 1 + eps_high) * adv)
 
 
 def clipped_on_active_side(ratio, adv, eps_low: float, eps_high: float) -> torch.Tensor:
     """Where the min picks the clipped term and so the gradient is zero (bool, broadcast shape)."""
     return ((adv > 0) & (ratio > 1 + eps_high)) | ((adv < 0) & (ratio < 1 - eps_low))
-
-
-def per_token(advantages: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """Advantages (B,) or (B, T) -> (B, T) (a view, not a copy, for the (B,) case)."""
-    return advantages.unsqueeze(-1).expand_as(like) if advantages.dim() == 1 else advantages
 
 
 def at_least_float32(*logps: torch.Tensor) -> None:
@@ -394,7 +386,7 @@ def gspo_token_loss(logp_new, logp_old, advantages, mask, eps_low: float = 3e-4,
     s = importance_ratio(logp_new, logp_old, mask).detach()            # (B,), sg[s_i]
     own = torch.where(keep, logp_new - logp_new.detach(), torch.zeros_like(logp_new))  # value 0, grad of log pi
     s_tok = s.unsqueeze(-1) * torch.exp(own)                           # (B, T), value s_i
-    per_tok = clipped_surrogate(s_tok, per_token(advantages, s_tok), eps_low, eps_high)
+    per_tok = clipped_surrogate(s_tok, advantages, eps_low, eps_high)   # (B, T)
     return -masked_mean(per_tok, keep).mean()
 
 
@@ -407,7 +399,7 @@ def grpo_loss(logp_new, logp_old, advantages, mask, eps_low: float = 0.2, eps_hi
     at_least_float32(logp_new, logp_old)
     keep = mask != 0
     log_w = torch.where(keep, logp_new - logp_old, torch.zeros_like(logp_new))       # (B, T)
-    per_tok = clipped_surrogate(torch.exp(log_w), per_token(advantages, log_w), eps_low, eps_high)
+    per_tok = clipped_surrogate(torch.exp(log_w), advantages, eps_low, eps_high)         # (B, T)
     return -masked_mean(per_tok, keep).mean()
 
 
@@ -528,14 +520,6 @@ def rollout(model, tokenizer, problems, cfg: Config, device, task=ADD2) -> dict:
             "rewards": rewards, "advantages": group_advantages(rewards, G)}
 
 
-def group_chunks(n_rows: int, group_size: int, minibatches: int, device) -> list[torch.Tensor]:
-    """Row indices of `minibatches` random chunks of whole groups (group k is rows kG .. kG+G-1).
-    tensor_split, not chunk: chunk(5) of 12 groups gives 4 parts of 3, one optimiser step short."""
-    groups = torch.randperm(n_rows // group_size, device=device).tensor_split(minibatches)
-    return [(grp[:, None] * group_size + torch.arange(group_size, device=device)).flatten()
-            for grp in groups]
-
-
 # PPO's approximate KL (CleanRL's `approx_kl`): KL(pi_old || pi_theta) ~ mean_t (e^x - 1 - x) >= 0, with x =
 # log pi_theta(y_t) - log pi_old(y_t) before the step. As E[x] = -KL under pi_old, the mean of log s (not s_mean)
 # is about -approx_kl. In float64: CleanRL's (e^x - 1) - x in float32 is noise at |x| ~ 1e-4.
@@ -578,8 +562,10 @@ def rl_update(model, opt, batch: dict, cfg: Config, eps_low: float, eps_high: fl
     """One clipped step on each of `minibatches` chunks of whole groups. pi_old, the weights that sampled, recomputed:
     chunk 1's own pass, detached (s = 1 exactly), the others' one pass before the first step (so dropout must be
     off). At s = w = 1 GSPO's and GRPO's gradients are the plain policy gradient: they differ only off-policy."""
-    G = cfg.group_size
-    chunks = group_chunks(len(batch["rewards"]), G, cfg.minibatches, batch["rewards"].device)
+    G, device = cfg.group_size, batch["rewards"].device
+    # random chunks of whole groups (rows kG..kG+G-1) by tensor_split: torch.chunk(5) of 12 groups makes only 4
+    groups = torch.randperm(len(batch["rewards"]) // G, device=device).tensor_split(cfg.minibatches)
+    chunks = [(grp[:, None] * G + torch.arange(G, device=device)).flatten() for grp in groups]    # row indices
     logprobs = lambda idx: group_policy_logprobs(model, batch["prompt_ids"][idx], batch["prompt_mask"][idx],
                                                  batch["completions"][idx], G, temperature=cfg.temperature)
     old = None                                               # log pi_old of chunks 2, 3, ...

@@ -746,8 +746,9 @@ def test_clip_ceiling_counts_off_policy_tokens_of_groups_with_signal():
     model, _, cfg, batch = tiny_rollout()
     batch["advantages"][:4] = 0.0                   # make the first group flat
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    import gspo_lab
     torch.manual_seed(3)
-    chunks = g.group_chunks(16, 4, 2, "cpu")
+    chunks = gspo_lab.group_chunks(16, 4, 2, "cpu")        # the lab's twin of rl_update's deal
     torch.manual_seed(3)                            # rl_update draws the same chunks
     m = g.rl_update(model, opt, batch, cfg, 3e-4, 4e-4)
     rows = chunks[1]
@@ -769,7 +770,8 @@ def test_flat_groups_are_the_groups_of_equal_rewards_read_from_their_advantages(
 
 def test_group_chunks_cover_every_row_once_in_whole_groups():
     torch.manual_seed(0)
-    chunks = g.group_chunks(48, 4, 5, "cpu")
+    import gspo_lab
+    chunks = gspo_lab.group_chunks(48, 4, 5, "cpu")
     assert len(chunks) == 5
     rows = torch.cat(chunks)
     assert sorted(rows.tolist()) == list(range(48))
@@ -1203,9 +1205,8 @@ def test_importing_the_script_loads_no_matplotlib():
     assert res.stdout.strip() == "False", res.stderr
 
 
-# The story's length: SPEC's cap is 650 lines above `def main`, a target this file has not reached
-# yet; until it does, the story may not grow past what it is (a ratchet), and the other caps hold.
-STORY_LINES_AT_MOST = 664
+# The story's length: SPEC's cap, 650 lines above `def main`; the file, rl_update, train and Config have theirs.
+STORY_LINES_AT_MOST = 650
 
 
 def test_the_story_and_the_file_stay_within_their_line_budgets():

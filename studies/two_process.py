@@ -90,7 +90,7 @@ def dealt_order(rows: int) -> torch.Tensor:
 
 
 def dealt_chunks(n_rows: int, group_size: int, minibatches: int, device) -> list[torch.Tensor]:
-    """The same deal in the shape of gspo_minimal.group_chunks (row indices per minibatch), so that
+    """The same deal in the shape of gspo_lab.group_chunks (row indices per minibatch), so that the lab's
     rl_update's first minibatch holds the groups TRL's step 1 holds."""
     assert (group_size, minibatches) == (G, STEPS)
     return list(dealt_order(n_rows).to(device).reshape(minibatches, -1))
