@@ -130,6 +130,15 @@ class Config(g.Config):
     """lower bound, likewise; default none, 1/1.001 for sequence_geometric_mask"""
     eval_at: str = ""
     """further RL steps to evaluate at, comma-separated (e.g. 2,4: an early collapse can be dated)"""
+    engine: str = ""
+    """a real inference engine samples the rollouts: llama.cpp[:WEIGHTS], llama.cpp running the trainer's
+    weights, written as a GGUF file before each rollout at WEIGHTS f32, f16 (the default), bf16 or q8_0.
+    Its sampler chain draws from the full softmax at --temperature (no --top-p), seeded by --seed and
+    the step, on --threads threads; its record can be pi_old (--old-logprobs sampler) and takes
+    --is-correction, --eps-engine and --fspo-band, as a copy's does. A plain Llama only (the built-in
+    dense model, SmolLM2); needs the engine extra (`make test-engine` builds .venv-engine)"""
+    engine_kv: str = "f16"
+    """llama.cpp's KV cache with --engine: f16 (llama.cpp's default) or f32"""
 
 
 LOSSES = ("gspo", "gspo-token", "grpo", "gmpo", "sapo", "sapo-seq", "cispo", "luspo", "vespo")
@@ -716,19 +725,24 @@ def loss_value(loss: str, logp_new, logp_old, advantages, mask, eps_low, eps_hig
 # The lab's step: the sampler as an engine, its record, the synthetic record, the calibrated band.
 # ---------------------------------------------------------------------------------------------
 
-def sampling_model(model, cfg: Config):
-    """The model that samples a rollout: the policy itself (--sampler-dtype float32), or a copy of it
+def sampling_model(model, cfg: Config, engine=None):
+    """The model that samples a rollout: the policy itself (--sampler-dtype float32), a copy of it
     cast to bfloat16 or float16, weights and activations, made now, as an inference engine holds
-    weights of its own. Its log-probs of the same tokens differ by the engine gap (`engine_gap`)."""
+    weights of its own, or llama.cpp (--engine, `engine`), the trainer's current weights synced into
+    it now. Its log-probs of the same tokens differ by the engine gap (`engine_gap`)."""
+    if engine is not None:
+        engine.sync(model)
+        return engine
     if cfg.sampler_dtype == "float32":
         return model
     return copy.deepcopy(model).to(getattr(torch, cfg.sampler_dtype))
 
 
 def engine_differs(cfg: Config) -> bool:
-    """Whether pi_old's record differs from the trainer by construction: another dtype, a nucleus
-    (--top-p) or the synthetic engine. Such runs log log s at theta_old (and a real engine its KL)."""
-    return cfg.sampler_dtype != "float32" or cfg.top_p < 1 or bool(cfg.record_noise or cfg.record_bins)
+    """Whether pi_old's record differs from the trainer by construction: another dtype, llama.cpp, a
+    nucleus (--top-p) or the synthetic engine. Such runs log log s at theta_old (and a real engine its KL)."""
+    return (cfg.sampler_dtype != "float32" or bool(cfg.engine) or cfg.top_p < 1
+            or bool(cfg.record_noise or cfg.record_bins))
 
 
 KL_ELEMENTS = 2 ** 22      # logits per piece of `engine_kl_tokens`: 32 MiB in float64, any vocabulary
@@ -779,25 +793,33 @@ def engine_kl_tokens(sampler, trainer, batch: dict, cfg: Config) -> float:
     total, count = 0.0, 0
     for i in range(0, n, step):
         args = [batch[k][i:min(i + step, n)] for k in ("prompt_ids", "prompt_mask", "completions")]
-        kl = token_kl(completion_logits(sampler, *args), completion_logits(trainer, *args),  # (b, T, V) each
-                      cfg.temperature, cfg.top_p)                                           # (b, T)
+        trained = completion_logits(trainer, *args)                                       # (b, T, V)
+        sampled = (sampler.logits(*args).to(trained.device) if isinstance(sampler, LlamaCppEngine)
+                   else completion_logits(sampler, *args))                                # (b, T, V)
+        kl = token_kl(sampled, trained, cfg.temperature, cfg.top_p)                       # (b, T)
         keep = batch["mask"][i:min(i + step, n)] != 0
         total, count = total + kl[keep].sum().item(), count + keep.sum().item()
     return total / max(count, 1)
 
 
 @torch.no_grad()
-def rollout(model, tokenizer, problems, cfg: Config, device) -> dict:
-    """Sample G completions per prompt with `model` (the sampler), score them, and compute group
-    advantages. `sampler_logprobs` is the sampler's own record of its tokens' log-probs."""
+def rollout(model, tokenizer, problems, cfg: Config, device, seed: int = 0) -> dict:
+    """Sample G completions per prompt with `model` (the sampler: a torch model, or llama.cpp, whose
+    draws `seed` seeds), score them, and compute group advantages. `sampler_logprobs` is the
+    sampler's own record of its tokens' log-probs."""
     G, task = cfg.group_size, task_of(cfg)
     texts = [task.prompt(a, b) for a, b in problems for _ in range(G)]       # group after group
     prompt_ids, prompt_mask = encode_prompts(tokenizer, texts, device)            # (B, P)
-    completions, sampled = sample_completions(model, prompt_ids, prompt_mask, cfg.max_new_tokens,
-                                              tokenizer.eos_token_id, tokenizer.pad_token_id,
-                                              temperature=cfg.temperature, group_size=G,
-                                              top_p=cfg.top_p, with_logprobs=True,   # (B, T) each
-                                              rows=SAMPLE_TOKENS // cfg.max_new_tokens if cfg.micro_batch else 0)
+    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
+    if isinstance(model, LlamaCppEngine):     # llama.cpp's own sampler chain; (B, T) each, on the CPU
+        completions, sampled = (x.to(device) for x in model.sample(
+            prompt_ids, prompt_mask, cfg.max_new_tokens, eos, pad, temperature=cfg.temperature,
+            group_size=G, seed=seed))
+    else:
+        completions, sampled = sample_completions(model, prompt_ids, prompt_mask, cfg.max_new_tokens, eos, pad,
+                                                  temperature=cfg.temperature, group_size=G,
+                                                  top_p=cfg.top_p, with_logprobs=True,   # (B, T) each
+                                                  rows=SAMPLE_TOKENS // cfg.max_new_tokens if cfg.micro_batch else 0)
     mask = completion_mask(completions, tokenizer.eos_token_id)                    # (B, T)
     answers = [task.answer(a, b) for a, b in problems for _ in range(G)]
     rewards = torch.tensor([reward(row, ans, tokenizer, task=task) for row, ans in
@@ -1061,6 +1083,7 @@ def train(cfg: Config, model, tokenizer, device, run, stop) -> dict:
     rng = random.Random(cfg.seed)                  # training prompts; the held-out splits are fixed
     eps_low, eps_high = resolved_eps(cfg)
     summary = run.new_summary(cfg, eps_low, eps_high)
+    engine = LlamaCppEngine(*engine_settings(cfg), threads=torch.get_num_threads()) if cfg.engine else None
     try:
         summary["warmup_steps"] = warmup(model, tokenizer, splits, cfg, device, rng, run, stop)
         if not stop.requested:                # after a Ctrl-C in the warm-up, straight to the end
@@ -1075,10 +1098,10 @@ def train(cfg: Config, model, tokenizer, device, run, stop) -> dict:
                 break
             t0 = time.perf_counter()
             # Rollout: the model as it is now is pi_old; it samples, or a copy in bfloat16 or float16
-            # does (--sampler-dtype), as an inference engine would.
+            # does (--sampler-dtype), or llama.cpp with its weights (--engine), as an inference engine would.
             problems = sample_train_problems(splits, cfg.prompts_per_step, rng)
-            sampler = sampling_model(model, cfg)
-            batch = rollout(sampler, tokenizer, problems, cfg, device)
+            sampler = sampling_model(model, cfg, engine)
+            batch = rollout(sampler, tokenizer, problems, cfg, device, seed=engine_seed(cfg.seed, step))
             if engine_differs(cfg) and not (cfg.record_noise or cfg.record_bins):   # a real engine's: KL
                 batch["engine_kl_tokens"] = engine_kl_tokens(sampler, model, batch, cfg)
             del sampler
@@ -1097,6 +1120,9 @@ def train(cfg: Config, model, tokenizer, device, run, stop) -> dict:
         pass
     except Diverged as err:
         summary["stop_reason"] = str(err)
+    finally:
+        if engine is not None:
+            engine.close()
     opt = sched = None          # AdamW's two moments (twice the weights) are not needed to evaluate
     return run.finish(summary, model, tokenizer, stop,
                       lambda: accuracy(model, tokenizer, task, splits["test"], cfg.max_new_tokens, device))
@@ -1148,6 +1174,28 @@ def engine_modules():
     return llama_cpp, gguf
 
 
+def engine_settings(cfg: Config) -> tuple[str, str]:
+    """--engine's (weights, KV cache): llama.cpp alone means f16 weights (`validate` has checked the text)."""
+    return cfg.engine.partition(":")[2] or "f16", cfg.engine_kv
+
+
+def engine_seed(seed: int, step: int) -> int:
+    """llama.cpp's seed for the rollout of RL step `step` of a run of --seed `seed`, 32 bits: distinct
+    for every pair with seed < 4096 and step < 2^20, so no two rollouts of a study share their draws."""
+    return seed % 4096 * 2 ** 20 + step % 2 ** 20
+
+
+def gguf_refusal(model) -> str:
+    """Why `write_gguf` cannot write this model ('' where it can): it writes a plain Llama only."""
+    cfg = model.config
+    rope = getattr(cfg, "rope_parameters", None) or {"rope_type": "default"}
+    if (cfg.model_type != "llama" or rope.get("rope_type", "default") != "default"
+            or getattr(cfg, "attention_bias", False) or getattr(cfg, "mlp_bias", False)):
+        return (f"llama.cpp's engine takes a plain Llama (the tiny model, SmolLM2), not this "
+                f"{cfg.model_type} (the MoE, RoPE scaling and biases are not written)")
+    return ""
+
+
 def llama_cpp_layout(w: torch.Tensor, n_head: int) -> torch.Tensor:
     """A q or k projection (out, in) from Hugging Face's RoPE layout (each head's two halves rotated
     together) to llama.cpp's (adjacent pairs): the permutation llama.cpp's own converter applies to Llama."""
@@ -1160,12 +1208,10 @@ def write_gguf(model, path: str, weights: str = "f32") -> None:
     converter keeps them), q and k in llama.cpp's RoPE layout, the vocabulary `none` (token ids as they
     are, `vocab_size` dummy tokens), the output matrix tied to the embedding where the model ties them."""
     _, gguf = engine_modules()
+    if gguf_refusal(model):
+        raise BadInput(gguf_refusal(model))
     cfg = model.config
     rope = getattr(cfg, "rope_parameters", None) or {"rope_type": "default", "rope_theta": cfg.rope_theta}
-    if (cfg.model_type != "llama" or rope.get("rope_type", "default") != "default"
-            or getattr(cfg, "attention_bias", False) or getattr(cfg, "mlp_bias", False)):
-        raise BadInput(f"llama.cpp's engine takes a plain Llama (the tiny model, SmolLM2), not this "
-                       f"{cfg.model_type} (the MoE, RoPE scaling and biases are not written)")
     kind = {"f32": gguf.GGMLQuantizationType.F32, "f16": gguf.GGMLQuantizationType.F16,
             "bf16": gguf.GGMLQuantizationType.BF16, "q8_0": gguf.GGMLQuantizationType.Q8_0}[weights]
     head_dim = cfg.hidden_size // cfg.num_attention_heads
@@ -1280,17 +1326,37 @@ class LlamaCppEngine:
 
     @torch.no_grad()
     def sample(self, prompt_ids, prompt_mask, max_new_tokens: int, eos_id: int, pad_id: int, *,
-               temperature: float = 1.0, group_size: int = 1, seed: int = 0):
+               temperature: float = 1.0, group_size: int = 1, seed: int = 0, banned: int | None = None):
         """(completions (B, T), record (B, T)) as the lab's sampler returns them: pad, and a log-prob of 0,
-        after each row's EOS; T the longest row; temperature 0 greedy. Rows come in groups of G prompts."""
+        after each row's EOS; T the longest row; temperature 0 greedy. Rows come in groups of G prompts,
+        sampled in pieces of whole groups of at most 256 rows, all from one seeded stream of draws.
+        `banned`: a token never drawn (a logit bias of -inf first in the chain; the record renormalised
+        without it), as make engine-llamacpp suppresses EOS to run text past its natural end."""
         G, B = group_size, len(prompt_ids)
+        chain = self.lib.llama_sampler_chain_init(self.lib.llama_sampler_chain_default_params())
+        if banned is not None:
+            bias = (self.lib.llama_logit_bias * 1)()
+            bias[0].token, bias[0].bias = banned, -float("inf")
+            self.lib.llama_sampler_chain_add(chain, self.lib.llama_sampler_init_logit_bias(self.n_vocab, 1, bias))
+        if temperature > 0:                          # logits / T, then one seeded draw from the softmax
+            self.lib.llama_sampler_chain_add(chain, self.lib.llama_sampler_init_temp(temperature))
+            draw = self.lib.llama_sampler_init_dist(seed % (2 ** 32 - 1))     # 2^32 - 1 would mean unseeded
+            self.lib.llama_sampler_chain_add(chain, draw)
+        else:
+            self.lib.llama_sampler_chain_add(chain, self.lib.llama_sampler_init_greedy())
         step = max(G, LLAMA_MAX_SEQS // G * G)
-        if B > step:                                 # whole groups, at most 256 sequences at a time
-            pieces = [self.sample(prompt_ids[i:i + step], prompt_mask[i:i + step], max_new_tokens, eos_id, pad_id,
-                                  temperature=temperature, group_size=G, seed=seed + i) for i in range(0, B, step)]
-            T = max(c.shape[1] for c, _ in pieces)
-            pad = lambda x, v: torch.nn.functional.pad(x, (0, T - x.shape[1]), value=v)
-            return torch.cat([pad(c, pad_id) for c, _ in pieces]), torch.cat([pad(r, 0.0) for _, r in pieces])
+        try:
+            pieces = [self._sample_piece(chain, prompt_ids[i:i + step], prompt_mask[i:i + step], max_new_tokens,
+                                         eos_id, pad_id, temperature, G, banned) for i in range(0, B, step)]
+        finally:
+            self.lib.llama_sampler_free(chain)
+        T = max(c.shape[1] for c, _ in pieces)
+        pad = lambda x, v: torch.nn.functional.pad(x, (0, T - x.shape[1]), value=v)
+        return torch.cat([pad(c, pad_id) for c, _ in pieces]), torch.cat([pad(r, 0.0) for _, r in pieces])
+
+    def _sample_piece(self, chain, prompt_ids, prompt_mask, max_new_tokens, eos_id, pad_id, temperature, G, banned):
+        """`sample` for at most 256 rows: one context, each group's prompt decoded once."""
+        B = len(prompt_ids)
         prompts = self._prompts(prompt_ids, prompt_mask)
         self._context(sum(len(p) for p in prompts[::G]) + B * max_new_tokens, B)
         # each group's prompt once, as sequence kG (its first row); the group's other rows share its cells
@@ -1301,29 +1367,21 @@ class LlamaCppEngine:
             for r in range(1, G):
                 self.lib.llama_memory_seq_cp(memory, k * G, k * G + r, -1, -1)
         at = [outs[b // G] for b in range(B)]        # each row's entry in the last decode: its logits
-        chain = self.lib.llama_sampler_chain_init(self.lib.llama_sampler_chain_default_params())
-        if temperature > 0:                          # logits / T, then one seeded draw from the softmax
-            self.lib.llama_sampler_chain_add(chain, self.lib.llama_sampler_init_temp(temperature))
-            draw = self.lib.llama_sampler_init_dist(seed % (2 ** 32 - 1))     # 2^32 - 1 would mean unseeded
-            self.lib.llama_sampler_chain_add(chain, draw)
-        else:
-            self.lib.llama_sampler_chain_add(chain, self.lib.llama_sampler_init_greedy())
         tokens = torch.full((B, max_new_tokens), pad_id, dtype=torch.long)
         record = torch.zeros(B, max_new_tokens)
         live, T = list(range(B)), 0
-        try:
-            while live and T < max_new_tokens:
-                for b in live:
-                    tok = self.lib.llama_sampler_sample(chain, self.ctx, at[b])
-                    logits = self._row_logits(at[b])                                 # (V,)
-                    scaled = logits / temperature if temperature > 0 else logits
-                    tokens[b, T], record[b, T] = tok, torch.log_softmax(scaled, -1)[tok]
-                live, T = [b for b in live if tokens[b, T] != eos_id], T + 1
-                if live and T < max_new_tokens:
-                    at = dict(zip(live, self._decode([(int(tokens[b, T - 1]), len(prompts[b]) + T - 1, b, True)
-                                                      for b in live])))
-        finally:
-            self.lib.llama_sampler_free(chain)
+        while live and T < max_new_tokens:
+            for b in live:
+                tok = self.lib.llama_sampler_sample(chain, self.ctx, at[b])
+                logits = self._row_logits(at[b])                                 # (V,)
+                if banned is not None:
+                    logits[banned] = -float("inf")
+                scaled = logits / temperature if temperature > 0 else logits
+                tokens[b, T], record[b, T] = tok, torch.log_softmax(scaled, -1)[tok]
+            live, T = [b for b in live if tokens[b, T] != eos_id], T + 1
+            if live and T < max_new_tokens:
+                at = dict(zip(live, self._decode([(int(tokens[b, T - 1]), len(prompts[b]) + T - 1, b, True)
+                                                  for b in live])))
         return tokens[:, :T], record[:, :T]
 
     @torch.no_grad()
@@ -1590,10 +1648,28 @@ def validate(cfg: Config) -> None:
         raise BadInput(f"unknown --is-correction {cfg.is_correction!r}; choose one of {', '.join(IS_CORRECTIONS)}")
     if cfg.is_correction == "none" and (cfg.is_clip_max, cfg.is_clip_min) != (None, None):
         raise BadInput("--is-clip-max and --is-clip-min bound --is-correction's weight; set --is-correction too")
+    if cfg.engine:
+        name, _, weights = cfg.engine.partition(":")
+        if name != "llama.cpp" or (weights and weights not in ENGINE_WEIGHTS):
+            raise BadInput(f"--engine takes llama.cpp or llama.cpp:WEIGHTS, WEIGHTS one of "
+                           f"{', '.join(ENGINE_WEIGHTS)}; got {cfg.engine!r}")
+        if cfg.sampler_dtype != "float32":
+            raise BadInput("--engine samples with llama.cpp, --sampler-dtype with a torch copy: give one")
+        if cfg.top_p < 1:
+            raise BadInput("--top-p is not taken with --engine: llama.cpp's nucleus is not the one its "
+                           "record would be scored under (`nucleus_logprobs`)")
+        if cfg.record_noise or cfg.record_bins:
+            raise BadInput("--record-noise and --record-bins are a synthetic engine, --engine a real one: give one")
+        if cfg.moe:
+            raise BadInput("--engine takes a plain Llama: llama.cpp's GGUF file is not written for --moe")
+    if cfg.engine_kv not in ENGINE_KV:
+        raise BadInput(f"unknown --engine-kv {cfg.engine_kv!r}; choose f16 or f32")
+    if cfg.engine_kv != "f16" and not cfg.engine:
+        raise BadInput("--engine-kv sets llama.cpp's KV cache: set --engine too")
     if cfg.is_correction != "none":
-        if cfg.sampler_dtype == "float32":
+        if cfg.sampler_dtype == "float32" and not cfg.engine:
             raise BadInput("--is-correction corrects a sampler that differs from the trainer; it needs "
-                           "--sampler-dtype bfloat16 or float16")
+                           "--sampler-dtype bfloat16 or float16, or --engine")
         if cfg.old_logprobs == "sampler":
             raise BadInput("--is-correction weighs the trainer's pi_old against the sampler's record; with "
                            "--old-logprobs sampler there is no trainer's pi_old: drop one")
@@ -1640,10 +1716,10 @@ def validate(cfg: Config) -> None:
                            f"number >= 0, got {cfg.eps_engine}")
         if cfg.loss != "gspo":
             raise BadInput(f"--eps-engine calibrates GSPO's band on s; not for --loss {cfg.loss}")
-        engine = cfg.old_logprobs == "sampler" and cfg.sampler_dtype != "float32"
+        engine = cfg.old_logprobs == "sampler" and (cfg.sampler_dtype != "float32" or cfg.engine)
         if not (cfg.record_noise or cfg.record_bins or engine):
             raise BadInput("--eps-engine calibrates the band for an engine's record as pi_old: it needs "
-                           "--old-logprobs sampler with a bf16 or fp16 sampler, or --record-noise")
+                           "--old-logprobs sampler with a bf16 or fp16 sampler or --engine, or --record-noise")
     if cfg.fspo_band:
         try:
             c = fspo_constants(cfg)
@@ -1680,13 +1756,17 @@ def validate(cfg: Config) -> None:
             raise BadInput(f"--model {cfg.model}: a .gguf file needs the gguf package "
                            "(pip install -r requirements-pretrained.txt)")
     g.check_device_out_and_model(cfg)
+    if cfg.engine:
+        engine_modules()                  # the extra is installed, or one line naming it
 
 
 def prepare(cfg: Config):
     """gspo_minimal.prepare with the lab's task and models; then --micro-batch's default: 0 (one pass)
     under 20M parameters, else MICRO_BATCH_TOKENS // --max-new-tokens rows (big models' activations on
-    long answers need it)."""
+    long answers need it). A model --engine cannot write to GGUF gets BadInput here."""
     device, model, tokenizer = g.prepare(cfg, task_of(cfg), build)
+    if cfg.engine and gguf_refusal(model):
+        raise BadInput(f"--engine: {gguf_refusal(model)}")
     if cfg.micro_batch is None:
         big = sum(p.numel() for p in model.parameters()) > MICRO_BATCH_ABOVE
         cfg.micro_batch = max(1, MICRO_BATCH_TOKENS // cfg.max_new_tokens) if big else 0

