@@ -19,7 +19,7 @@ STAMP_ENG := .venv-engine/.installed
 # builds for any x86-64 CPU with AVX2, FMA, F16C and BMI2 (AVX-512 and AMX unused), not only for this one.
 ENGINE_BUILD := scikit-build-core==1.1.2 cmake==4.4.5 ninja==1.13.2 packaging==26.3 pathspec==1.1.1
 
-.PHONY: train profile train-seeds test test-isa check test-thorough verify figures trl test-trl bench test-pretrained test-engine pretrained pretrained-seeds figures-family figures-long figures-map figures-frontier engine figures-engine figures-mechanism figures-remedy figures-power mechanism-smollm2 gpu-check clean
+.PHONY: train profile train-seeds test test-isa check test-thorough verify figures trl test-trl bench test-pretrained test-engine pretrained pretrained-seeds figures-family figures-long figures-map figures-frontier engine engine-llamacpp figures-engine-power figures-engine figures-mechanism figures-remedy figures-power mechanism-smollm2 gpu-check clean
 
 $(STAMP): requirements.txt
 	rm -rf .venv
@@ -122,6 +122,12 @@ figures-frontier: $(STAMP)  ## where does each objective break? GSPO and GRPO pa
 
 engine: $(STAMP) $(STAMP_PRE)  ## the sampler-trainer gap against length, no training: bf16, fp16 and float32 top-p 0.9 samplers against the float32 trainer on add2, addwork and SmolLM2 (its parts in .venv-pretrained): figures/engine.json and engine.png (40 min on 2 cores, resumable)
 	$(PY) studies/engine.py --pretrained-python $(PY_PRE)
+
+engine-llamacpp: $(STAMP_ENG)  ## make engine's lens on a real engine, no training: llama.cpp at f16, bf16 and q8_0 weights (KV cache f16) decoding the float32 trainer's weights on add2, addwork and SmolLM2, the bf16 torch copy beside it: figures/engine_llamacpp.json and engine_llamacpp.png (at most 45 min on 2 cores, resumable; its timed prototype first: .venv-engine/bin/python studies/llamacpp.py prototype)
+	$(PY_ENG) studies/llamacpp.py
+
+figures-engine-power: $(STAMP_ENG)  ## the record or the band on a real engine: make figures-power's question with llama.cpp in the loop (bf16 weights, f16 KV cache), eleven arms on add2 from seed 200 (llama.cpp sampling with the trainer's pi_old, its record as pi_old, GSPO and GRPO, the bf16 copy's record, the calibrated, FSPO and fixed wide bands, TRL's correction), ten primary contrasts under Holm, exact sign-flip p: figures/engine_power.json and engine_power.png (at most 120 min, resumable; its design and timed prototype first: .venv-engine/bin/python studies/engine_power.py design)
+	$(PY_ENG) studies/engine_power.py figures
 
 figures-engine: $(STAMP)  ## what stops GSPO with a bf16 sampler's pi_old, and what restores it: ten cells on add2 and addwork under the map's rule, fixed before the runs (the widened band read from make engine's engine.json): figures/engine_map.json and engine_map.png (first phase at most 60 min, resumable; CONFIRM=1: the confirmation, at most 20 min)
 	$(PY) studies/engine.py figures$(if $(CONFIRM), --confirm,)

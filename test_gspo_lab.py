@@ -1370,6 +1370,25 @@ def test_with_eos_banned_llama_cpp_never_draws_it_and_records_the_log_prob_renor
     assert ((record - trainer).abs() <= f32_tolerance(model, trainer)).all()
 
 
+@pytest.mark.extra
+@pytest.mark.engine
+@pytest.mark.parametrize("suppress_eos", [True, False], ids=["law", "natural"])
+def test_make_engine_llamacpps_decode_finds_no_gap_at_f32_and_the_roundings_at_bf16(llama_engine, suppress_eos):
+    """studies/llamacpp.py's paired decode: at f32 weights and KV the gap d, the KL and the record's
+    distance to llama.cpp's own full pass are all round-off; at bf16 weights the KL is the rounding's."""
+    from studies import llamacpp
+    model, tok = engine_tiny(sharpen=2.0)
+    ids, attn = engine_prompts(tok, 16)
+    decode = lambda eng: llamacpp.engine_decode(eng, model, ids, attn, 10, tok.eos_token_id, tok.pad_token_id,
+                                                suppress_eos=suppress_eos, seed=0)
+    exact, rounded = decode(llama_engine(model)), decode(llama_engine(model, "bf16", "f16"))
+    alive = exact["alive"]
+    assert alive.all() == suppress_eos and not (exact["d"][~alive] != 0).any()
+    tol = f32_tolerance(model, exact["logq"].float()).double()
+    assert (exact["d"].abs() <= tol)[alive].all() and (exact["full_minus_record"].abs() <= tol)[alive].all()
+    assert exact["k"][alive].max() < 1e-9 < rounded["k"][rounded["alive"]].mean()
+
+
 # --- SmolLM2, its GGUF written from the trainer's float32 weights -----------------------------------
 @pytest.fixture(scope="module")
 def smollm_f32():

@@ -22,8 +22,9 @@ from hypothesis import strategies as st
 import gspo_lab as g
 import gspo_minimal as minimal
 from conftest import PRE_MOVE, TINY, at_commit, pre_split, tiny_llama_for
-from studies import (common, engine, family, figures, frontier, gpu_check, lens, long, map as regimes, mechanism,
-                     metrics, power, pretrained, pretrained_seeds, smollm2_step, speed, trl_compare, verify)
+from studies import (common, engine, engine_power, family, figures, frontier, gpu_check, lens, llamacpp, long,
+                     map as regimes, mechanism, metrics, power, pretrained, pretrained_seeds, smollm2_step, speed,
+                     trl_compare, verify)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 EXTRAS = ("requirements-trl.txt", "requirements-pretrained.txt", "requirements-engine.txt")
@@ -1972,7 +1973,9 @@ def test_the_data_example_runs_the_tutorials_command():
 KEPT_COPIES = ("figures/figures_earlier_runs.json", "figures/pretrained_missed_goal.json", "figures/bench_before_lab.json",
                "figures/train_seeds_before_lab.json",
                "figures/pretrained_previous_rollout.json", "figures/long_earlier_runs.json")   # earlier results kept beside their remake
-NOT_MADE_YET: tuple[str, ...] = ()           # a target's PNG not drawn yet, its JSON holding only its design
+NOT_MADE_YET: tuple[str, ...] = ("figures/engine_llamacpp.json",    # a target's output not made yet, or its PNG
+                                  "figures/engine_llamacpp.png",     # not drawn yet, its JSON holding only its design
+                                  "figures/engine_power.png")
 
 
 def test_every_committed_result_says_where_and_from_what_tree_it_was_made():
@@ -1998,7 +2001,7 @@ def test_each_committed_figure_file_is_one_targets_own_output():
     every committed file in figures/ belongs to one target, but the kept earlier copies."""
     owners = {}
     for study in (figures, family, long, regimes, pretrained, pretrained_seeds, trl_compare, lens, engine, frontier,
-                  speed, mechanism, smollm2_step, power):
+                  speed, mechanism, smollm2_step, power, llamacpp, engine_power):
         for out in study.OUTPUTS:
             assert out not in owners, f"{out}: {owners.get(out)} and {study.__name__}"
             owners[out] = study.__name__
@@ -3368,3 +3371,42 @@ def test_the_committed_smollm2_step_pools_its_seeds_each_scored_after_its_predic
             m = p["measured"][s]
             assert (m["n_seqs_pos"], m["n_seqs_neg"]) == (p["n_pos"], p["n_neg"])
             assert m["responses_with_gradient"] == p["n_pos"] + p["n_neg"] - m["n_clip_seqs_pos"] - m["n_clip_seqs_neg"]
+
+
+# --- make engine-llamacpp and make figures-engine-power: llama.cpp's lens and paired study ---------------
+def test_the_llamacpp_lens_projects_its_time_from_its_prototypes_rates():
+    proto = {"parts": {f"{m}_{s}": {"tokens_per_second": 1000.0 if m != "smollm2" else 50.0}
+                       for m in llamacpp.MODELS for s in llamacpp.SETTINGS_OF}}
+    want = sum(len(llamacpp.VIEWS) * size["rows"] * (size["length"] or engine.ROOM[m]) / (1000.0 if m != "smollm2" else 50.0)
+               for m, size in llamacpp.SIZES.items() for _ in llamacpp.SETTINGS_OF)
+    assert llamacpp.projected_seconds(proto) == pytest.approx(want)
+    assert set(llamacpp.SIZES) == set(llamacpp.MODELS) and llamacpp.SETTINGS_OF["torch_bfloat16"] is None
+
+
+def test_the_engine_power_design_pairs_eleven_arms_in_ten_primary_contrasts_with_power_jsons_constants():
+    d = engine_power.static_design()
+    assert len(d["arms"]) == 11 and len(d["primary_family"]) == 10
+    for name, c in d["contrasts"].items():
+        assert set(c["terms"]) <= set(d["arms"]) and sum(c["terms"].values()) == 0, name
+    for arm, a in d["arms"].items():
+        flags = a["flags"]
+        assert not {"WIDE", "FSPO"} & set(flags)
+        assert ("--engine" in flags) == ("eng" in arm or "_rec" in arm and "copy" not in arm), arm
+        assert ("--old-logprobs" in flags) == ("_rec" in arm), arm
+        g.settings_of(["--loss", a["loss"], *flags])            # every arm's flags parse
+    values = common.read_json("figures/power.json")["design"]["values_read"]
+    wide = d["arms"]["gspo_eng_wide"]["flags"]
+    assert float(wide[wide.index("--eps-low") + 1]) == pytest.approx(values["widened_band"]["eps_low"], rel=1e-5)
+    fspo = d["arms"]["gspo_rec_fspo"]["flags"]
+    assert float(fspo[fspo.index("--fspo-band") + 1]) == pytest.approx(values["fspo_c"], rel=1e-5)
+    power_contrasts = common.read_json("figures/power.json")["contrasts"]
+    assert all(p in power_contrasts for p in engine_power.PROXIES.values()) and set(engine_power.PROXIES) == set(d["contrasts"])
+
+
+def test_the_engine_power_design_keeps_the_seeds_that_fit_within_twenty_and_forty():
+    fits = engine_power.projection({"warmup_seconds": 40.0, "two_at_a_time_seconds": 200.0})     # 220 s a seed
+    assert fits["seeds_that_fit"] == 32 and fits["seeds_kept"] == 32 and not fits["over_budget"]
+    slow = engine_power.projection({"warmup_seconds": 40.0, "two_at_a_time_seconds": 600.0})
+    assert slow["seeds_kept"] == 20 and slow["over_budget"]
+    fast = engine_power.projection({"warmup_seconds": 40.0, "two_at_a_time_seconds": 60.0})
+    assert fast["seeds_kept"] == 40

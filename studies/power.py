@@ -390,14 +390,14 @@ def arm_jobs(design: dict, seeds, folder: str = POWER_RUNS) -> list[dict]:
     return jobs
 
 
-def prototype(design: dict) -> dict:
+def prototype(design: dict, runs_folder: str = POWER_RUNS) -> dict:
     """Seed PROTOTYPE_SEED's warm-up (kept where made), then one fresh run of every arm from it, two
     at a time as the target runs them: each run's seconds under that load, and the wall clock of the
-    whole (process start-up and the last run's lone minutes included)."""
+    whole (process start-up and the last run's lone minutes included), in <runs_folder>/prototype."""
     import shutil
     import time
     from studies import map as regimes
-    folder = os.path.join(POWER_RUNS, "prototype")
+    folder = os.path.join(runs_folder, "prototype")
     jobs = arm_jobs(design, [PROTOTYPE_SEED], folder)
     warm, runs = jobs[0], jobs[1:]
     timing = os.path.join(folder, "warmup_timing")     # a warm-up of the same seed made here, to time it
@@ -561,7 +561,7 @@ def test_size_of(runs: list[dict]) -> int:
     return sizes.pop()
 
 
-def add_exact(record: dict) -> dict:
+def add_exact(record: dict, path: str = POWER_JSON, command: str = EXACT_COMMAND) -> dict:
     """record with each contrast's `p_exact` and `p_exact_method` (exact_sign_flip_p on its
     differences, the grid 1/test size read from the runs), the primary family's `called_exact` from
     Holm's step-down on the exact values and `holm_threshold_exact` (alpha over the contrasts left at
@@ -581,14 +581,17 @@ def add_exact(record: dict) -> dict:
         contrasts[n]["holm_threshold_exact"] = thresholds[n]
     for v in contrasts.values():
         v.setdefault("called_exact", None)
-    record["exact_p"] = {**g.provenance(EXACT_COMMAND, time.perf_counter() - t0, g.tree_state([POWER_JSON])),
+    record["exact_p"] = {**g.provenance(command, time.perf_counter() - t0, g.tree_state([path])),
                          "grid": f"1/{grid}: every run scored on {grid} test problems",
                          "when": "after the runs: the design fixed 10,000 random flips (p, called); p_exact and "
                                  "called_exact are computed from the same differences by `exact`"}
     return record
 
 
-def plot_power(record: dict, path: str = POWER_PNG) -> None:
+POWER_TITLE = "The record or the band: add2, 70 RL steps, seeds 100-129, design fixed before the runs (make figures-power)"
+
+
+def plot_power(record: dict, path: str = POWER_PNG, title: str = POWER_TITLE) -> None:
     """Left, each arm's test accuracy after RL, one dot per seed (x: a collapsed run), its median a
     bar; right, each contrast's mean paired difference with its bootstrap 95% interval, the primary
     family above the secondary, a filled marker where Holm called it, its sign count beside it."""
@@ -629,8 +632,7 @@ def plot_power(record: dict, path: str = POWER_PNG) -> None:
     right.invert_yaxis()
     right.set_xlabel("mean paired difference in test accuracy, bootstrap 95% interval")
     right.set_title("the contrasts (filled: called under Holm; grey: secondary, uncorrected)", fontsize=10)
-    fig.suptitle("The record or the band: add2, 70 RL steps, seeds 100-129, design fixed before the runs (make figures-power)",
-                 fontsize=11)
+    fig.suptitle(title, fontsize=11)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
