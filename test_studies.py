@@ -3410,3 +3410,15 @@ def test_the_engine_power_design_keeps_the_seeds_that_fit_within_twenty_and_fort
     assert slow["seeds_kept"] == 20 and slow["over_budget"]
     fast = engine_power.projection({"warmup_seconds": 40.0, "two_at_a_time_seconds": 60.0})
     assert fast["seeds_kept"] == 40
+
+
+def test_the_committed_engine_power_json_holds_the_codes_design_before_any_run():
+    record = common.read_json("figures/engine_power.json")
+    d = record["design"]
+    assert {k: v for k, v in d.items() if k not in ("seeds", "detectable_effect")} == \
+        json.loads(json.dumps(engine_power.static_design()))
+    fit = record["projection"]
+    assert d["seeds"] == list(range(200, 200 + fit["seeds_kept"])) and 20 <= fit["seeds_kept"] <= 40
+    assert fit["seconds_per_seed"] == pytest.approx(record["prototype"]["warmup_seconds"] / 2
+                                                    + record["prototype"]["two_at_a_time_seconds"])
+    assert record["runs"] == [] and not record["dirty"]        # the design, made from a committed tree

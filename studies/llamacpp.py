@@ -162,11 +162,11 @@ def prototype(models: list[str]) -> dict:
 # ---------------------------------------------------------------------------------------------
 # make engine-llamacpp: the sizes, fixed from the prototype before the run, and its parts.
 # ---------------------------------------------------------------------------------------------
-# The prototype (figures/engine_llamacpp_prototype.json) scored 1,700-2,000 tokens/s of llama.cpp's
-# decoding on the tiny models and 52-63 on SmolLM2 at 32 rows (the bf16 copy 2,600-3,900 and 96). So
-# the tiny models take make engine's sizes, and SmolLM2 24 rows of 256 tokens per view and setting
-# (make engine's 32 x 512 would take over an hour here): `projected_seconds` puts the whole near 20
-# minutes, and make engine's full run took 1.6 times its projection (attention over longer text).
+# The prototype (figures/engine_llamacpp_prototype.json) scored 2,200-2,400 tokens/s of llama.cpp's
+# decoding and scoring on the tiny models and 50-64 on SmolLM2 at 32 rows (the bf16 copy 3,900-6,300
+# and 90). So the tiny models take make engine's sizes, and SmolLM2 24 rows of 256 tokens per view and
+# setting (make engine's 32 x 512 would take over an hour here): `projected_seconds` puts the whole at
+# 19 minutes, and make engine's full run took 1.6 times its projection (attention over longer text).
 # `length` None: as far as the model's positions allow after the prompt (add2 58, addwork 114).
 SIZES = {"add2": {"rows": 1024, "length": None, "batch": 256},
          "addwork": {"rows": 512, "length": None, "batch": 256},
