@@ -1208,8 +1208,9 @@ def write_gguf(model, path: str, weights: str = "f32") -> None:
     converter keeps them), q and k in llama.cpp's RoPE layout, the vocabulary `none` (token ids as they
     are, `vocab_size` dummy tokens), the output matrix tied to the embedding where the model ties them."""
     _, gguf = engine_modules()
-    if gguf_refusal(model):
-        raise BadInput(gguf_refusal(model))
+    why = gguf_refusal(model)
+    if why:
+        raise BadInput(why)
     cfg = model.config
     rope = getattr(cfg, "rope_parameters", None) or {"rope_type": "default", "rope_theta": cfg.rope_theta}
     kind = {"f32": gguf.GGMLQuantizationType.F32, "f16": gguf.GGMLQuantizationType.F16,
@@ -1765,8 +1766,9 @@ def prepare(cfg: Config):
     under 20M parameters, else MICRO_BATCH_TOKENS // --max-new-tokens rows (big models' activations on
     long answers need it). A model --engine cannot write to GGUF gets BadInput here."""
     device, model, tokenizer = g.prepare(cfg, task_of(cfg), build)
-    if cfg.engine and gguf_refusal(model):
-        raise BadInput(f"--engine: {gguf_refusal(model)}")
+    why = gguf_refusal(model) if cfg.engine else ""
+    if why:
+        raise BadInput(f"--engine: {why}")
     if cfg.micro_batch is None:
         big = sum(p.numel() for p in model.parameters()) > MICRO_BATCH_ABOVE
         cfg.micro_batch = max(1, MICRO_BATCH_TOKENS // cfg.max_new_tokens) if big else 0
