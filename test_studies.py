@@ -3412,7 +3412,7 @@ def test_the_engine_power_design_keeps_the_seeds_that_fit_within_twenty_and_fort
     assert fast["seeds_kept"] == 40
 
 
-def test_the_committed_engine_power_json_holds_the_codes_design_before_any_run():
+def test_the_committed_engine_power_json_holds_the_codes_design_and_its_runs():
     record = common.read_json("figures/engine_power.json")
     d = record["design"]
     assert {k: v for k, v in d.items() if k not in ("seeds", "detectable_effect")} == \
@@ -3421,4 +3421,7 @@ def test_the_committed_engine_power_json_holds_the_codes_design_before_any_run()
     assert d["seeds"] == list(range(200, 200 + fit["seeds_kept"])) and 20 <= fit["seeds_kept"] <= 40
     assert fit["seconds_per_seed"] == pytest.approx(record["prototype"]["warmup_seconds"] / 2
                                                     + record["prototype"]["two_at_a_time_seconds"])
-    assert record["runs"] == [] and not record["dirty"]        # the design, made from a committed tree
+    written = record["design_written"]                         # the design, made from a committed tree first
+    assert written["command"].endswith("design") and not written["dirty"] and not record["dirty"]
+    assert len(record["runs"]) == len(d["arms"]) * len(d["seeds"])                  # every arm at every seed
+    assert set(record["contrasts"]) == set(d["contrasts"]) and all("p_exact" in c for c in record["contrasts"].values())
