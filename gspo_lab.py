@@ -1161,6 +1161,10 @@ def main(argv: list[str] | None = None) -> int:
 ENGINE_WEIGHTS = ("f32", "f16", "bf16", "q8_0")
 ENGINE_KV = ("f16", "f32")
 LLAMA_MAX_SEQS = 256          # llama.cpp's LLAMA_MAX_SEQ: a rollout samples in pieces of at most 256 rows
+# One llama_decode takes a whole piece, which llama.cpp computes in micro-batches of at most this many
+# tokens. Its attention buffer is micro-batch x KV cells per head: 256 rows of 130 tokens in one
+# micro-batch would need over 20 GiB. A lab rollout (256 rows of about 10 tokens) fits in one.
+LLAMA_UBATCH_MAX = 4096
 
 
 def engine_modules():
@@ -1289,11 +1293,13 @@ class LlamaCppEngine:
         self.n_vocab = model.config.vocab_size
 
     def _context(self, cells: int, seqs: int):
-        """A fresh context holding `cells` KV cells in one unified cache for `seqs` sequences."""
+        """A fresh context holding `cells` KV cells in one unified cache for `seqs` sequences, all of
+        them decodable in one call (computed LLAMA_UBATCH_MAX tokens at a time)."""
         if self.ctx:
             self.lib.llama_free(self.ctx)
         p = self.lib.llama_context_default_params()
-        p.n_ctx = p.n_batch = p.n_ubatch = max(cells, 16)
+        p.n_ctx = p.n_batch = max(cells, 16)
+        p.n_ubatch = min(p.n_batch, LLAMA_UBATCH_MAX)
         p.n_seq_max, p.kv_unified, p.n_threads, p.n_threads_batch = seqs, True, self.threads, self.threads
         p.type_k = p.type_v = {"f16": self.lib.GGML_TYPE_F16, "f32": self.lib.GGML_TYPE_F32}[self.kv]
         p.flash_attn_type = self.lib.LLAMA_FLASH_ATTN_TYPE_DISABLED

@@ -1226,6 +1226,19 @@ def test_at_f32_llama_cpp_scores_given_completions_as_the_trainer_does(llama_eng
 
 @pytest.mark.extra
 @pytest.mark.engine
+def test_a_decode_longer_than_one_micro_batch_scores_as_the_trainer_does(llama_engine):
+    """256 rows of 14 tokens fill more KV cells than LLAMA_UBATCH_MAX, so llama.cpp computes the one
+    decode in micro-batches; each row still attends to its own tokens only, within f32's round-off."""
+    model, tok = engine_tiny(sharpen=3.0)
+    ids, attn = engine_prompts(tok, g.LLAMA_MAX_SEQS)
+    comp = torch.randint(3, len(tok), (g.LLAMA_MAX_SEQS, 14))
+    assert int(attn.sum()) + comp.numel() > g.LLAMA_UBATCH_MAX
+    trainer, eng = trainer_and_engine_logprobs(model, llama_engine(model), ids, attn, comp)
+    assert ((eng - trainer).abs() <= f32_tolerance(model, trainer)).all(), (eng - trainer).abs().max()
+
+
+@pytest.mark.extra
+@pytest.mark.engine
 def test_greedy_completions_agree_wherever_the_top_two_logits_are_further_apart_than_that(llama_engine):
     model, tok = engine_tiny(sharpen=3.0)
     ids, attn = engine_prompts(tok, 64)
