@@ -1216,23 +1216,14 @@ def trainer_and_engine_logprobs(model, eng, ids, attn, comp):
 # --- fidelity at f32 weights and an f32 KV cache: the same function, other kernels (f32_tolerance) ----
 @pytest.mark.extra
 @pytest.mark.engine
-def test_at_f32_llama_cpp_scores_given_completions_as_the_trainer_does(llama_engine):
-    model, tok = engine_tiny(sharpen=3.0)
-    ids, attn = engine_prompts(tok, 32)
-    comp = torch.randint(3, len(tok), (32, 5))
-    trainer, eng = trainer_and_engine_logprobs(model, llama_engine(model), ids, attn, comp)
-    assert ((eng - trainer).abs() <= f32_tolerance(model, trainer)).all(), (eng - trainer).abs().max()
-
-
-@pytest.mark.extra
-@pytest.mark.engine
-def test_a_decode_longer_than_one_micro_batch_scores_as_the_trainer_does(llama_engine):
-    """256 rows of 14 tokens fill more KV cells than LLAMA_UBATCH_MAX, so llama.cpp computes the one
+@pytest.mark.parametrize("rows,tokens", [(32, 5), (g.LLAMA_MAX_SEQS, 14)], ids=["one micro-batch", "several"])
+def test_at_f32_llama_cpp_scores_given_completions_as_the_trainer_does(llama_engine, rows, tokens):
+    """256 rows of 14 tokens fill more KV cells than LLAMA_UBATCH_MAX, so llama.cpp computes that one
     decode in micro-batches; each row still attends to its own tokens only, within f32's round-off."""
     model, tok = engine_tiny(sharpen=3.0)
-    ids, attn = engine_prompts(tok, g.LLAMA_MAX_SEQS)
-    comp = torch.randint(3, len(tok), (g.LLAMA_MAX_SEQS, 14))
-    assert int(attn.sum()) + comp.numel() > g.LLAMA_UBATCH_MAX
+    ids, attn = engine_prompts(tok, rows)
+    comp = torch.randint(3, len(tok), (rows, tokens))
+    assert (int(attn.sum()) + comp.numel() > g.LLAMA_UBATCH_MAX) == (rows == g.LLAMA_MAX_SEQS)
     trainer, eng = trainer_and_engine_logprobs(model, llama_engine(model), ids, attn, comp)
     assert ((eng - trainer).abs() <= f32_tolerance(model, trainer)).all(), (eng - trainer).abs().max()
 

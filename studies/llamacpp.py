@@ -168,7 +168,7 @@ def prototype(models: list[str]) -> dict:
 # setting (make engine's 32 x 512 would take over an hour here): `projected_seconds` puts the whole at
 # 19 minutes, and make engine's full run took 1.6 times its projection (attention over longer text).
 # `length` None: as far as the model's positions allow after the prompt (add2 58, addwork 114).
-# `batch`: rows decoded together, at the prototype's 64 (32 for SmolLM2 and addwork there). In llama.cpp's
+# `batch`: rows decoded together, 64 (the prototype timed 64 on add2, 32 on addwork). In llama.cpp's
 # unified KV cache each token attends over every row's cells, so a piece costs rows^2 x length^2: a
 # first run at 256 rows took 150 s for add2's 59,392 tokens at each setting, 6 times the rate the
 # prototype measured, and ran out of memory on addwork (one micro-batch of its 33,000 cells; since
